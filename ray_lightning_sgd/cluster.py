@@ -1,0 +1,122 @@
+"""Driver side: the connection to Ray, and what the cluster can and cannot give.
+
+:func:`connect` uses a Ray that is already initialised, the cluster named by ``RAY_ADDRESS``, or a
+cluster started with ``ray start`` on this machine; when there is none, it starts an embedded local
+instance on 127.0.0.1 only, without a dashboard, which Ray shuts down when the program exits.
+
+:func:`placement_problem` is a pure function that tells, from the nodes' total resources, whether a
+gang of workers could ever be placed; the worker group calls it before it reserves anything, so that
+an impossible request fails at once instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from ray_lightning_sgd import _compat
+from ray_lightning_sgd.exceptions import ResourcesUnavailableError
+
+log = logging.getLogger(__name__)
+
+_EPSILON = 1e-9
+
+
+def connect() -> bool:
+    """Driver side: makes sure this process is connected to a Ray cluster.
+
+    Returns:
+        True if this call started an embedded local Ray instance.
+    """
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        return False
+    try:
+        # a cluster started with `ray start` on this machine
+        ray.init(address="auto", log_to_driver=True)
+        return False
+    except ConnectionError:
+        pass
+    _compat.bind_local_ray_to_loopback()
+    ray.init(address="local", include_dashboard=False, log_to_driver=True)
+    log.info("Started an embedded local Ray instance: %s", ray.cluster_resources())
+    return True
+
+
+def check_placement_is_possible(
+    bundle: Mapping[str, float], num_workers: int, strategy: str
+) -> None:
+    """Driver side: raises if the cluster's nodes could never host the workers.
+
+    Raises:
+        ResourcesUnavailableError: Naming what was requested and what the cluster has.
+    """
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    problem = placement_problem(bundle, num_workers, strategy, nodes)
+    if problem is not None:
+        raise ResourcesUnavailableError(
+            f"cannot place {num_workers} workers of {dict(bundle)} ({strategy}): {problem}. "
+            f"{describe_available()}. Ask for less per worker (num_cpus_per_worker, use_gpu, "
+            "resources_per_worker), fewer workers, another placement_strategy, or add nodes"
+        )
+
+
+def placement_problem(
+    bundle: Mapping[str, float],
+    num_workers: int,
+    strategy: str,
+    nodes: Sequence[Mapping[str, float]],
+) -> str | None:
+    """Returns why ``num_workers`` bundles can never be placed on ``nodes``, or None if they can.
+
+    ``nodes`` holds each live node's total resources, as ``ray.nodes()`` reports them.
+    """
+    for name, amount in bundle.items():
+        largest = max((node.get(name, 0.0) for node in nodes), default=0.0)
+        if largest <= 0:
+            return f"no node has the resource {name!r}"
+        if largest + _EPSILON < amount:
+            return f"no node has {amount:g} {name}; the largest node has {largest:g}"
+    fits = [_bundles_that_fit(bundle, node) for node in nodes]
+    if strategy == "STRICT_PACK":
+        if max(fits, default=0) < num_workers:
+            return (
+                f"STRICT_PACK needs one node for all of them, and no node fits more than "
+                f"{max(fits, default=0)}"
+            )
+    elif strategy == "STRICT_SPREAD":
+        usable = sum(1 for n in fits if n >= 1)
+        if usable < num_workers:
+            return f"STRICT_SPREAD needs {num_workers} nodes, and only {usable} node(s) fit one"
+    elif sum(fits) < num_workers:
+        return f"all nodes together fit only {sum(fits)}"
+    return None
+
+
+def describe_available() -> str:
+    """Driver side: one sentence on the cluster's total and free resources."""
+    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    return (
+        f"the cluster has {_summary(ray.cluster_resources())} in total over {nodes} node(s), "
+        f"{_summary(ray.available_resources())} free now"
+    )
+
+
+def _bundles_that_fit(bundle: Mapping[str, float], node: Mapping[str, float]) -> int:
+    return min(math.floor(node.get(name, 0.0) / amount + _EPSILON) for name, amount in bundle.items())
+
+
+def _summary(resources: Mapping[str, Any]) -> str:
+    shown = {
+        name: round(float(value), 2)
+        for name, value in sorted(resources.items())
+        if not name.startswith("node:") and name not in ("memory", "object_store_memory")
+    }
+    return str(shown)

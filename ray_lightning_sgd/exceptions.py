@@ -1,0 +1,60 @@
+"""Exceptions raised by ray_lightning_sgd.
+
+The hierarchy::
+
+    RaySGDError                      base of everything this package raises itself
+    ├── ConfigurationError           a bad argument, found before Ray is touched (also a ValueError)
+    ├── SerializationError           the Trainer, model or data cannot be pickled (also a TypeError)
+    ├── ResourcesUnavailableError    the cluster cannot give the requested workers
+    └── WorkerGroupError             the worker group was used in a state that forbids the call
+        ├── WorkerDiedError          a worker process died while running a call
+        └── WorkerTimeoutError       workers did not answer within a deadline (also a TimeoutError)
+
+An exception raised by user code on a worker is not wrapped: the driver re-raises it with its own
+type and message, and a note that names the rank and carries the worker's traceback.
+"""
+
+from __future__ import annotations
+
+
+class RaySGDError(Exception):
+    """Base class of the errors raised by ray_lightning_sgd."""
+
+
+class ConfigurationError(RaySGDError, ValueError):
+    """An argument or a Trainer setting that the strategy cannot work with."""
+
+
+class SerializationError(RaySGDError, TypeError):
+    """An object that must travel to the workers cannot be pickled."""
+
+
+class ResourcesUnavailableError(RaySGDError):
+    """The cluster cannot place the requested workers."""
+
+
+class WorkerGroupError(RaySGDError):
+    """The worker group is in a state that forbids the call."""
+
+
+class WorkerDiedError(WorkerGroupError):
+    """A worker's process died (or its node left the cluster) while it ran a call."""
+
+    def __init__(self, message: str, *, rank: int, node_id: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.node_id = node_id
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # keyword-only arguments do not survive the default exception pickling
+        return (_rebuild_worker_died, (type(self), str(self), self.rank, self.node_id))
+
+
+class WorkerTimeoutError(WorkerGroupError, TimeoutError):
+    """Workers did not finish a call within its deadline."""
+
+
+def _rebuild_worker_died(
+    cls: type[WorkerDiedError], message: str, rank: int, node_id: str
+) -> WorkerDiedError:
+    return cls(message, rank=rank, node_id=node_id)

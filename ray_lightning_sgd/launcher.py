@@ -1,0 +1,488 @@
+"""The launcher: runs a Trainer entry point (fit, validate, test, predict) on a Ray worker group.
+
+Driver half: check the Trainer against the strategy, put the Trainer, model, data and global state
+into Ray's object store once, start a :class:`BackendExecutor`, run :func:`_run_on_worker` on every
+worker, shut the workers down on every path, and copy what rank 0 produced back into the driver's
+Trainer and model (:func:`_recover_results_in_driver`).
+
+Worker half (:func:`_run_on_worker`): restore the global state, take the rank and device the group
+assigned, run the entry point, and collect what goes back (:func:`_collect_results`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import ray
+import torch
+import torch.backends.cudnn
+from lightning_utilities.core.apply_func import apply_to_collection
+from pytorch_lightning.accelerators import CPUAccelerator, CUDAAccelerator
+from pytorch_lightning.callbacks import BasePredictionWriter
+from pytorch_lightning.trainer.states import TrainerFn, TrainerState
+from ray import cloudpickle
+from torch import Tensor
+from typing_extensions import override
+
+from ray_lightning_sgd import _compat, cluster
+from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError
+from ray_lightning_sgd.executor import BackendExecutor
+from ray_lightning_sgd.worker_group import get_worker_context
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from ray_lightning_sgd.strategy import RaySGDStrategy
+
+log = logging.getLogger(__name__)
+
+#: Environment variables of the driver that Lightning's spawned processes inherit and read.
+_INHERITED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
+
+
+class RayLauncher(_compat.Launcher):
+    """Driver side: launches a Trainer entry point on a gang of Ray actors and brings results back.
+
+    Args:
+        strategy: The strategy whose worker group and backend configs the launch uses.
+    """
+
+    def __init__(self, strategy: RaySGDStrategy) -> None:
+        self._strategy = strategy
+        self._executor: BackendExecutor | None = None
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        # Ray actors are separate processes started by Ray, so notebooks work
+        return True
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        """Driver side: runs ``function`` on every worker and returns rank 0's result.
+
+        With a Trainer, the driver's Trainer and model afterwards hold what the workers produced.
+        """
+        strategy = self._strategy
+        if trainer is not None:
+            _check_trainer(trainer, strategy)
+        cluster.connect()
+        payload = _ship(_Payload(trainer, function, args, kwargs, _GlobalState.capture()))
+        executor = BackendExecutor(strategy.backend_config, strategy.worker_group_config)
+        self._executor = executor
+        succeeded = False
+        try:
+            executor.start()
+            outputs = executor.run(_run_on_worker, payload)
+            succeeded = True
+        finally:
+            executor.shutdown(graceful=succeeded)
+            self._executor = None
+            del payload
+        if trainer is None:
+            return outputs[0].results
+        return _recover_results_in_driver(trainer, outputs)
+
+    @override
+    def kill(self, signum: int) -> None:
+        """Driver side: stops every worker at once."""
+        if self._executor is not None:
+            self._executor.shutdown(graceful=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_executor"] = None  # the driver's handles stay on the driver
+        return state
+
+
+class _Payload(NamedTuple):
+    """What goes to every worker, as one object in Ray's object store."""
+
+    trainer: pl.Trainer | None
+    function: Callable
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    global_state: _GlobalState
+
+
+class _RankZeroResults(NamedTuple):
+    """What rank 0 sends back: everything the driver's Trainer and model need."""
+
+    state: TrainerState
+    model_state: dict[str, Any] | None
+    loop_state: dict[str, Any]
+    callback_states: dict[str, dict[str, Any]]
+    callback_metrics: dict[str, Any]
+    logged_metrics: dict[str, Any]
+    progress_bar_metrics: dict[str, Any]
+    should_stop: bool
+
+
+class _RankPredictions(NamedTuple):
+    """One rank's predictions: per dataloader, per batch, the outputs and the samples' indices."""
+
+    outputs: list[list[Any]]
+    indices: list[list[list[int]]]
+
+
+class _WorkerOutput(NamedTuple):
+    """What one worker returns from :func:`_run_on_worker`."""
+
+    results: Any
+    rank_zero: _RankZeroResults | None
+    predictions: _RankPredictions | None
+
+
+@dataclass(frozen=True)
+class _GlobalState:
+    """The process-global state that Lightning's spawn launcher carries into its processes."""
+
+    use_deterministic_algorithms: bool
+    deterministic_warn_only: bool
+    cudnn_benchmark: bool
+    python_rng: Any
+    numpy_rng: Any
+    torch_rng: Tensor
+    env: dict[str, str]
+
+    @classmethod
+    def capture(cls) -> _GlobalState:
+        """Driver side: captures the flags, RNG states and inherited environment variables."""
+        return cls(
+            use_deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+            deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            cudnn_benchmark=torch.backends.cudnn.benchmark,
+            python_rng=random.getstate(),
+            numpy_rng=np.random.get_state(),
+            torch_rng=torch.get_rng_state(),
+            env={key: os.environ[key] for key in _INHERITED_ENV if key in os.environ},
+        )
+
+    def restore(self) -> None:
+        """Runs on each worker. Restores what :meth:`capture` captured."""
+        torch.use_deterministic_algorithms(
+            self.use_deterministic_algorithms, warn_only=self.deterministic_warn_only
+        )
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        random.setstate(self.python_rng)
+        np.random.set_state(self.numpy_rng)
+        torch.set_rng_state(self.torch_rng)
+        for key in _INHERITED_ENV:
+            os.environ.pop(key, None)
+        os.environ.update(self.env)
+
+
+class _BatchIndexRecorder(BasePredictionWriter):
+    """Runs on each worker. Records which samples each predicted batch held."""
+
+    def __init__(self) -> None:
+        super().__init__(write_interval="batch")
+        self.indices: dict[int, list[list[int]]] = {}
+
+    @override
+    def write_on_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
+        self.indices.setdefault(dataloader_idx, []).append(list(batch_indices or []))
+
+
+def _check_trainer(trainer: pl.Trainer, strategy: RaySGDStrategy) -> None:
+    """Driver side: rejects Trainer settings that conflict with the strategy, before Ray starts."""
+    accelerator = trainer.accelerator
+    if not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator)):
+        raise ConfigurationError(
+            f"RaySGDStrategy trains on CPUs or CUDA GPUs, but the Trainer chose "
+            f"{type(accelerator).__name__}; use Trainer(accelerator='auto') or 'cpu', and "
+            "RaySGDStrategy(use_gpu=True) for GPUs"
+        )
+    if isinstance(accelerator, CPUAccelerator) and trainer.num_devices > 1:
+        raise ConfigurationError(
+            f"Trainer(devices={trainer.num_devices}) conflicts with RaySGDStrategy, which runs one "
+            "device per worker: remove devices and set "
+            f"RaySGDStrategy(num_workers={trainer.num_devices})"
+        )
+    if isinstance(accelerator, CUDAAccelerator) and not strategy.worker_group_config.use_gpu:
+        warnings.warn(
+            "The driver's Trainer chose the CUDA accelerator, but RaySGDStrategy(use_gpu=False) "
+            "gives the workers no GPU, so they train on CPUs; pass use_gpu=True to give each "
+            "worker a GPU",
+            stacklevel=4,
+        )
+
+
+def _ship(payload: _Payload) -> ray.ObjectRef:
+    """Driver side: puts the payload into the object store once, naming what cannot be pickled."""
+    try:
+        return ray.put(payload)
+    except Exception as err:  # Ray raises TypeError, pickle.PicklingError and others
+        culprit = _find_unpicklable(payload, "payload")
+        if culprit is None:
+            raise
+        raise SerializationError(
+            f"cannot send the Trainer to the workers: {culprit} cannot be pickled ({err}). "
+            "Create it inside the LightningModule or DataModule hooks (setup, "
+            "configure_model) instead, or keep it out of the objects that are sent"
+        ) from err
+
+
+def _find_unpicklable(obj: Any, path: str, depth: int = 0, seen: set[int] | None = None) -> str | None:
+    """Returns the attribute path of the innermost object that cannot be pickled, if any."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 30:
+        return None
+    seen.add(id(obj))
+    try:
+        cloudpickle.dumps(obj)
+        return None
+    except Exception:  # noqa: BLE001 - any failure means "look inside"
+        pass
+    for child_path, child in _children(obj, path):
+        found = _find_unpicklable(child, child_path, depth + 1, seen)
+        if found is not None:
+            return found
+    return f"{path} (a {type(obj).__module__}.{type(obj).__qualname__})"
+
+
+def _children(obj: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        return [(f"{path}[{key!r}]", value) for key, value in obj.items()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [(f"{path}[{i}]", value) for i, value in enumerate(obj)]
+    if hasattr(obj, "_fields"):  # a NamedTuple is a tuple; handled above
+        return []
+    try:
+        state = obj.__getstate__()
+    except Exception:  # noqa: BLE001 - objects that refuse to give their state have no children
+        return []
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+        state = {**(state[0] or {}), **state[1]}  # (dict, slots) form
+    if isinstance(state, dict):
+        return [(f"{path}.{key}", value) for key, value in state.items()]
+    return []
+
+
+def _run_on_worker(payload: _Payload) -> _WorkerOutput:
+    """Runs on each worker. Runs the entry point under the assigned rank and collects results."""
+    context = get_worker_context()
+    payload.global_state.restore()
+    trainer = payload.trainer
+    recorder = None
+    if trainer is not None:
+        strategy = trainer.strategy
+        strategy.cluster_environment.assign(context.rank, context.device_index)  # type: ignore[union-attr]
+        on_gpu = context.device_index is not None
+        if on_gpu != isinstance(strategy.accelerator, CUDAAccelerator):
+            strategy.accelerator = CUDAAccelerator() if on_gpu else CPUAccelerator()
+        strategy.set_world_ranks()  # type: ignore[attr-defined]
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            recorder = _BatchIndexRecorder()
+            trainer.callbacks.append(recorder)
+    results = payload.function(*payload.args, **payload.kwargs)
+    if trainer is None:
+        return _WorkerOutput(results, None, None)
+    return _collect_results(trainer, results, context.rank.global_rank, recorder)
+
+
+def _collect_results(
+    trainer: pl.Trainer, results: Any, global_rank: int, recorder: _BatchIndexRecorder | None
+) -> _WorkerOutput:
+    """Runs on each worker. Gathers what the driver needs: everything from rank 0, and each
+    rank's predictions."""
+    fn = trainer.state.fn
+    # every rank computes the state dict, in case metrics in the model synchronise in it
+    model_state = (
+        _to_cpu(trainer.lightning_module.state_dict()) if fn == TrainerFn.FITTING else None
+    )
+    predictions = None
+    if recorder is not None:
+        trainer.callbacks.remove(recorder)
+        if results is not None:
+            outputs = _per_dataloader(results, trainer.predict_loop.num_dataloaders)
+            indices = [recorder.indices.get(i, []) for i in range(len(outputs))]
+            predictions = _RankPredictions(outputs, indices)
+        results = None  # the driver merges every rank's predictions instead
+    if global_rank != 0:
+        return _WorkerOutput(None, None, predictions)
+    rank_zero = _RankZeroResults(
+        state=trainer.state,
+        model_state=model_state,
+        loop_state=_loop_of(trainer).state_dict(),
+        callback_states={
+            cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()
+        },
+        callback_metrics=_to_cpu(dict(trainer.callback_metrics)),
+        logged_metrics=_to_cpu(dict(trainer.logged_metrics)),
+        progress_bar_metrics=_to_cpu(dict(trainer.progress_bar_metrics)),
+        should_stop=trainer.should_stop,
+    )
+    return _WorkerOutput(_to_cpu(results), rank_zero, predictions)
+
+
+def _recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[_WorkerOutput]) -> Any:
+    """Driver side: copies rank 0's results into the Trainer and model; returns the call's result."""
+    rank_zero = outputs[0].rank_zero
+    assert rank_zero is not None, "rank 0 always sends its results"
+    model = trainer.lightning_module
+    if rank_zero.model_state is not None:
+        # not strict, as Lightning's spawn launcher: hooks on the worker may have changed layers
+        model.load_state_dict(rank_zero.model_state, strict=False)
+    model.trainer = trainer
+    trainer.state = rank_zero.state
+    trainer.should_stop = rank_zero.should_stop
+    loop = _loop_of(trainer)
+    loop.load_state_dict(rank_zero.loop_state)
+    loop.restarting = False  # the loop finished on the workers; it is not resuming
+    for callback in trainer.callbacks:
+        state = rank_zero.callback_states.get(callback.state_key)
+        if state:
+            if getattr(callback, "dirpath", False) is None and state.get("dirpath") is not None:
+                # a ModelCheckpoint resolves its directory in setup, which ran on the workers only
+                callback.dirpath = state["dirpath"]  # type: ignore[attr-defined]
+            callback.load_state_dict(state)
+    for target, source in (
+        (trainer.callback_metrics, rank_zero.callback_metrics),
+        (trainer.logged_metrics, rank_zero.logged_metrics),
+        (trainer.progress_bar_metrics, rank_zero.progress_bar_metrics),
+    ):
+        target.clear()
+        target.update(source)
+    if trainer.state.fn == TrainerFn.PREDICTING:
+        ranks = [out.predictions for out in outputs]
+        if any(p is None for p in ranks):
+            return None
+        merged = merge_predictions([p for p in ranks if p is not None])
+        return merged[0] if len(merged) == 1 else merged
+    return outputs[0].results
+
+
+def _loop_of(trainer: pl.Trainer) -> Any:
+    return {
+        TrainerFn.FITTING: trainer.fit_loop,
+        TrainerFn.VALIDATING: trainer.validate_loop,
+        TrainerFn.TESTING: trainer.test_loop,
+        TrainerFn.PREDICTING: trainer.predict_loop,
+    }[trainer.state.fn]  # type: ignore[index]
+
+
+def _per_dataloader(results: Any, num_dataloaders: int) -> list[list[Any]]:
+    # Lightning returns a flat list of batches for one dataloader, a list of lists for several
+    if num_dataloaders > 1:
+        return [list(r) for r in results]
+    return [list(results)]
+
+
+def _to_cpu(data: Any) -> Any:
+    return apply_to_collection(data, Tensor, lambda t: t.detach().cpu())
+
+
+def merge_predictions(ranks: Sequence[_RankPredictions]) -> list[list[Any]]:
+    """Merges every rank's predictions into the dataset's order, without padding duplicates.
+
+    Each batch's output is split into samples, the samples are ordered by their index in the
+    dataset (the first occurrence of an index wins: the sampler pads by repeating samples), and
+    regrouped into batches of the dataloader's batch size. The result is what a single process
+    returns. When outputs cannot be split by sample, or indices are unknown, the batches are
+    returned rank after rank, with a warning.
+    """
+    num_dataloaders = max(len(r.outputs) for r in ranks)
+    merged = []
+    for dl in range(num_dataloaders):
+        batches = [
+            (out, idx)
+            for rank in ranks
+            if dl < len(rank.outputs)
+            for out, idx in zip(rank.outputs[dl], _pad(rank.indices[dl], len(rank.outputs[dl])))
+        ]
+        merged.append(_merge_one(batches))
+    return merged
+
+
+def _pad(indices: list[list[int]], n: int) -> list[list[int]]:
+    return indices + [[]] * (n - len(indices))
+
+
+def _merge_one(batches: list[tuple[Any, list[int]]]) -> list[Any]:
+    samples: dict[int, Any] = {}
+    batch_size = 0
+    for output, indices in batches:
+        pieces = _split(output, len(indices)) if indices else None
+        if pieces is None:
+            warnings.warn(
+                "RaySGDStrategy could not split predictions by sample (the outputs have no batch "
+                "dimension, or the dataloader gives no sample indices); predict returns the "
+                "batches of rank 0, then rank 1, and so on",
+                stacklevel=2,
+            )
+            return [output for output, _ in batches]
+        batch_size = max(batch_size, len(indices))
+        for index, piece in zip(indices, pieces):
+            samples.setdefault(index, piece)
+    ordered = [samples[i] for i in sorted(samples)]
+    return [_join(ordered[i : i + batch_size]) for i in range(0, len(ordered), batch_size)]
+
+
+def _split(output: Any, n: int) -> list[Any] | None:
+    """Splits one batch's output into ``n`` per-sample pieces, or returns None if it cannot."""
+    if isinstance(output, Tensor):
+        if output.dim() == 0 or output.shape[0] != n:
+            return None
+        return [output[i : i + 1] for i in range(n)]
+    if isinstance(output, dict):
+        parts = {key: _split(value, n) for key, value in output.items()}
+        if any(p is None for p in parts.values()):
+            return None
+        return [{key: p[i] for key, p in parts.items()} for i in range(n)]  # type: ignore[index]
+    if isinstance(output, (list, tuple)):
+        columns = [_split(value, n) for value in output]
+        if output and all(c is not None for c in columns):
+            rows = [[c[i] for c in columns] for i in range(n)]  # type: ignore[index]
+            return [_Row(type(output), row) for row in rows]
+        if len(output) == n:
+            return [_Item(value) for value in output]
+    return None
+
+
+class _Row(NamedTuple):
+    """A sample's share of a list or tuple of batched outputs."""
+
+    kind: type
+    values: list[Any]
+
+
+class _Item(NamedTuple):
+    """A sample's entry of a per-sample list output."""
+
+    value: Any
+
+
+def _join(pieces: list[Any]) -> Any:
+    """Joins per-sample pieces made by :func:`_split` back into one batch output."""
+    first = pieces[0]
+    if isinstance(first, Tensor):
+        return torch.cat(pieces)
+    if isinstance(first, _Row):
+        columns = [_join([p.values[i] for p in pieces]) for i in range(len(first.values))]
+        if first.kind is list:
+            return columns
+        if hasattr(first.kind, "_fields"):  # a NamedTuple takes its fields one by one
+            return first.kind(*columns)
+        return first.kind(columns)
+    if isinstance(first, _Item):
+        return [p.value for p in pieces]
+    if isinstance(first, dict):
+        return {key: _join([p[key] for p in pieces]) for key in first}
+    raise TypeError(f"cannot join prediction pieces of type {type(first).__name__}")

@@ -1,0 +1,198 @@
+"""RaySGDStrategy: Lightning's DDP, with its processes run as a gang of Ray actors.
+
+The strategy is a thin :class:`~pytorch_lightning.strategies.DDPStrategy`: it validates its arguments
+in the constructor (before Ray is touched), hands the launch to :class:`RayLauncher`, and reads ranks
+and device from :class:`RayEnvironment`. Everything else is Lightning's DDP.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from ray_lightning_sgd.environment import RayEnvironment
+from ray_lightning_sgd.exceptions import ConfigurationError
+from ray_lightning_sgd.launcher import RayLauncher
+from ray_lightning_sgd.torch_backend import TorchConfig
+from ray_lightning_sgd.worker_group import WorkerGroupConfig
+
+# DDPStrategy arguments that this strategy decides itself, and what to use instead
+_OWNED_DDP_ARGS = {
+    "cluster_environment": "the strategy brings its own RayEnvironment",
+    "parallel_devices": "use num_workers and use_gpu",
+    "start_method": "Ray starts the workers",
+    "process_group_backend": "use backend_config=TorchConfig(backend=...)",
+    "timeout": "use backend_config=TorchConfig(timeout_s=...)",
+}
+_DDP_STRATEGY_ARGS = frozenset(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
+_DDP_MODULE_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
+    "self",
+    "module",
+    "device_ids",
+    "output_device",
+    "process_group",
+}
+
+
+class RaySGDStrategy(DDPStrategy):
+    """Distributed data parallel training on a gang of Ray actors.
+
+    Args:
+        num_workers: Number of workers (training processes), each a Ray actor.
+        num_cpus_per_worker: CPUs each worker reserves.
+        use_gpu: Give each worker one GPU (NCCL instead of gloo). The driver needs no GPU.
+        resources_per_worker: Ray resources each worker reserves (``CPU``, ``GPU`` with fractions
+            allowed, custom resources); overrides ``num_cpus_per_worker`` and ``use_gpu``.
+        placement_strategy: How the placement group spreads the workers over nodes: PACK, SPREAD,
+            STRICT_PACK or STRICT_SPREAD.
+        backend_config: The process group's backend, init method and timeout.
+        init_hook: A function run on every worker after it starts, before training.
+        worker_env: Environment variables set in every worker process.
+        startup_timeout_s: How long to wait for the cluster to place and start the workers.
+        **ddp_kwargs: Passed to :class:`torch.nn.parallel.DistributedDataParallel`
+            (``find_unused_parameters``, ``bucket_cap_mb``, ``static_graph``, ...) or to
+            :class:`~pytorch_lightning.strategies.DDPStrategy` (``ddp_comm_hook``, ...).
+    """
+
+    strategy_name = "ray_sgd"
+
+    def __init__(
+        self,
+        num_workers: int = 1,
+        *,
+        num_cpus_per_worker: float = 1,
+        use_gpu: bool = False,
+        resources_per_worker: dict[str, float] | None = None,
+        placement_strategy: str = "PACK",
+        backend_config: TorchConfig | None = None,
+        init_hook: Callable[[], None] | None = None,
+        worker_env: dict[str, str] | None = None,
+        startup_timeout_s: float = 60,
+        **ddp_kwargs: Any,
+    ) -> None:
+        backend_config = TorchConfig() if backend_config is None else backend_config
+        if not isinstance(backend_config, TorchConfig):
+            raise ConfigurationError(
+                f"backend_config must be a TorchConfig, got {type(backend_config).__name__}"
+            )
+        _check_ddp_kwargs(ddp_kwargs)
+        self._worker_group_config = WorkerGroupConfig(
+            num_workers=num_workers,
+            resources_per_worker=_resources(num_cpus_per_worker, use_gpu, resources_per_worker),
+            placement_strategy=placement_strategy,
+            worker_env=dict(worker_env or {}),
+            init_hook=init_hook,
+            startup_timeout_s=startup_timeout_s,
+        )
+        self._backend_config = backend_config
+        super().__init__(
+            cluster_environment=RayEnvironment(num_workers),
+            process_group_backend=backend_config.backend,
+            timeout=timedelta(seconds=backend_config.timeout_s),
+            **ddp_kwargs,
+        )
+
+    @property
+    def worker_group_config(self) -> WorkerGroupConfig:
+        """How many workers the strategy starts and what each one reserves."""
+        return self._worker_group_config
+
+    @property
+    def backend_config(self) -> TorchConfig:
+        """How the workers form their process group."""
+        return self._backend_config
+
+    @property
+    def ray_environment(self) -> RayEnvironment:
+        """The cluster environment that holds this worker's rank and device."""
+        assert isinstance(self.cluster_environment, RayEnvironment), self.cluster_environment
+        return self.cluster_environment
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.ray_environment.device
+
+    @property
+    @override
+    def num_nodes(self) -> int:
+        return self.ray_environment.num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        # Lightning passes Trainer(num_nodes=...) here while it builds the Trainer
+        if num_nodes != 1:
+            raise ConfigurationError(
+                f"Trainer(num_nodes={num_nodes}) conflicts with RaySGDStrategy: Ray places the "
+                "workers on nodes. Remove num_nodes and set RaySGDStrategy(num_workers=...) to the "
+                "total number of workers"
+            )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def set_world_ranks(self) -> None:
+        # the ranks were assigned by the worker group and are already in the environment
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._launcher = RayLauncher(self)
+
+
+def _resources(
+    num_cpus_per_worker: float, use_gpu: bool, resources_per_worker: Mapping[str, float] | None
+) -> dict[str, float]:
+    if not isinstance(use_gpu, bool):
+        raise ConfigurationError(f"use_gpu must be True or False, got {use_gpu!r}")
+    if resources_per_worker is not None:
+        if not isinstance(resources_per_worker, Mapping):
+            raise ConfigurationError(
+                f"resources_per_worker must be a dict such as {{'CPU': 2, 'GPU': 1}}, "
+                f"got {resources_per_worker!r}"
+            )
+        if use_gpu and "GPU" not in resources_per_worker:
+            raise ConfigurationError(
+                f"use_gpu=True but resources_per_worker={dict(resources_per_worker)} asks for no "
+                "GPU; add 'GPU': 1 (or a fraction) to resources_per_worker"
+            )
+        return dict(resources_per_worker)
+    if isinstance(num_cpus_per_worker, bool) or not isinstance(num_cpus_per_worker, (int, float)):
+        raise ConfigurationError(
+            f"num_cpus_per_worker must be a number > 0, got {num_cpus_per_worker!r}"
+        )
+    if not num_cpus_per_worker > 0:
+        raise ConfigurationError(
+            f"num_cpus_per_worker must be > 0, got {num_cpus_per_worker}; for workers without "
+            "a CPU reservation pass resources_per_worker without 'CPU'"
+        )
+    resources = {"CPU": float(num_cpus_per_worker)}
+    if use_gpu:
+        resources["GPU"] = 1.0
+    return resources
+
+
+def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any]) -> None:
+    for name in ddp_kwargs:
+        if name in _OWNED_DDP_ARGS:
+            raise ConfigurationError(
+                f"RaySGDStrategy does not take {name}={ddp_kwargs[name]!r}: {_OWNED_DDP_ARGS[name]}"
+            )
+        if name not in _DDP_STRATEGY_ARGS and name not in _DDP_MODULE_ARGS:
+            raise ConfigurationError(
+                f"RaySGDStrategy got an unknown argument {name}={ddp_kwargs[name]!r}; extra "
+                "arguments go to DistributedDataParallel, which takes "
+                f"{', '.join(sorted(_DDP_MODULE_ARGS))}"
+            )
