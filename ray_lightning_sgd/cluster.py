@@ -117,6 +117,8 @@ def _summary(resources: Mapping[str, Any]) -> str:
     shown = {
         name: round(float(value), 2)
         for name, value in sorted(resources.items())
-        if not name.startswith("node:") and name not in ("memory", "object_store_memory")
+        if not name.startswith("node:")
+        and name not in ("memory", "object_store_memory")
+        and "_group_" not in name  # what placement groups hold shows up as resources of its own
     }
     return str(shown)

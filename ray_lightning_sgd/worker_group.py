@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -172,7 +173,19 @@ class _Worker:
         )
 
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as err:
+            # the driver re-raises this very exception; say where it came from
+            where = f"pid {os.getpid()} on {ray.util.get_node_ip_address()}"
+            if _context is not None:
+                rank = _context.rank
+                where = (
+                    f"rank {rank.global_rank} of {rank.world_size} (node "
+                    f"{_context.metadata.node_id[:12]}, {where})"
+                )
+            err.add_note(f"Raised on {where}. Worker traceback:\n{traceback.format_exc()}")
+            raise
 
 
 class _State(enum.Enum):
@@ -402,18 +415,14 @@ def _where(meta: WorkerMetadata | None, rank: int | None) -> str:
 def _translate(err: RayError, metadata: Sequence[WorkerMetadata]) -> BaseException:
     """Turns a Ray error from a worker into the exception the driver raises."""
     if isinstance(err, RayTaskError):
-        index = next(
-            (i for i, m in enumerate(metadata) if m.pid == err.pid and m.node_ip == err.ip), None
-        )
-        where = _where(metadata[index] if index is not None else None, index)
+        # the worker has already noted its rank and traceback on the exception
         cause = err.cause
         if isinstance(cause, BaseException) and not isinstance(cause, RayError):
-            cause.add_note(f"Raised on {where}. Worker traceback:\n{err.traceback_str}")
             return cause
         if isinstance(cause, RayActorError):
             err = cause
         else:
-            return WorkerGroupError(f"a call failed on {where}: {err}")
+            return WorkerGroupError(f"a call on a worker failed: {err}")
     if isinstance(err, RayActorError):
         index = next((i for i, m in enumerate(metadata) if m.actor_id == err.actor_id), None)
         meta = metadata[index] if index is not None else None

@@ -1,0 +1,63 @@
+"""Shared fixtures: one local Ray cluster per test session (with fake GPUs), clean state per test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch.distributed as dist
+from ray.util.placement_group import placement_group_table
+
+from ray_lightning_sgd import _compat
+from ray_lightning_sgd.worker_group import NAME_PREFIX
+
+# two CPUs for two workers, and GPUs that this machine does not have: Ray lets a node declare
+# them, which is enough to test how GPUs are assigned without running CUDA
+CLUSTER_CPUS = 2
+CLUSTER_FAKE_GPUS = 2
+
+
+def start_local_ray() -> None:
+    if not ray.is_initialized():
+        _compat.bind_local_ray_to_loopback()
+        ray.init(
+            address="local",
+            num_cpus=CLUSTER_CPUS,
+            num_gpus=CLUSTER_FAKE_GPUS,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+
+
+@pytest.fixture
+def ray_cluster():
+    """A running local Ray cluster, shared by every test that asks for it."""
+    start_local_ray()
+    yield
+    assert leftovers() == ([], []), "a test left actors or placement groups of ours running"
+
+
+def leftovers() -> tuple[list[str], list[str]]:
+    """Names of our live actors and placement groups in the connected cluster."""
+    actors = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(NAME_PREFIX)
+    ]
+    groups = [
+        g["name"]
+        for g in placement_group_table().values()
+        if g["name"].startswith(NAME_PREFIX) and g["state"] != "REMOVED"
+    ]
+    return actors, groups
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

@@ -1,0 +1,64 @@
+"""Small models and data shared by the tests (importable, so ddp_spawn can pickle them)."""
+
+from __future__ import annotations
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def make_data(n: int = 96, features: int = 8, seed: int = 1) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=generator)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    return TensorDataset(x, y)
+
+
+def loader(n: int = 96, batch_size: int = 8, shuffle: bool = False) -> DataLoader:
+    return DataLoader(make_data(n), batch_size=batch_size, shuffle=shuffle)
+
+
+class TinyModel(pl.LightningModule):
+    """A two-layer classifier that logs its losses and an accuracy."""
+
+    def __init__(self, fail_on_rank: int | None = None, fail_at_step: int = 1) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.fail_on_rank = fail_on_rank
+        self.fail_at_step = fail_at_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_on_rank == self.global_rank and self.global_step == self.fail_at_step:
+            raise ValueError(f"injected failure at step {self.global_step}")
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def quiet_trainer_kwargs() -> dict:
+    return {
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": False,
+    }

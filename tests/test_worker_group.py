@@ -1,0 +1,155 @@
+"""The worker group on a real local Ray cluster (which declares fake GPUs)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+from ray_lightning_sgd import (
+    ConfigurationError,
+    ResourcesUnavailableError,
+    WorkerGroup,
+    WorkerGroupConfig,
+    WorkerGroupError,
+    get_worker_context,
+)
+from tests.conftest import leftovers
+
+
+def _context():
+    context = get_worker_context()
+    return context.rank, context.device_index, os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid()
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def _boom(rank_to_fail: int):
+    if get_worker_context().rank.global_rank == rank_to_fail:
+        raise KeyError("only on one rank")
+    time.sleep(60)  # the other rank would wait here; the driver must not
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_workers": 0}, "num_workers must be >= 1, got 0"),
+        ({"num_workers": 2.0}, "num_workers must be an int"),
+        ({"resources_per_worker": {"CPU": 0}}, "resources_per_worker['CPU'] must be a number > 0"),
+        ({"resources_per_worker": {"CPU": -1}}, "got -1"),
+        ({"resources_per_worker": {}}, "at least one resource"),
+        ({"placement_strategy": "TIGHT"}, "placement_strategy must be one of"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s must be > 0"),
+        ({"worker_env": {"A": 1}}, "worker_env must map str to str"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ConfigurationError) as info:
+        WorkerGroupConfig(**kwargs)
+    assert message in str(info.value)
+
+
+def test_creating_a_group_touches_no_ray_state():
+    if ray.is_initialized():
+        pytest.skip("needs a process without Ray; covered when this module runs first")
+    WorkerGroup(WorkerGroupConfig(num_workers=2))
+    assert not ray.is_initialized()
+
+
+def test_execute_runs_everywhere_in_rank_order(ray_cluster):
+    group = WorkerGroup(WorkerGroupConfig(num_workers=2, worker_env={"MY_FLAG": "on"}))
+    group.start()
+    try:
+        assert len(group) == 2
+        results = group.execute(_context)
+        assert [rank.global_rank for rank, *_ in results] == [0, 1]
+        assert len({pid for *_, pid in results}) == 2
+        assert group.execute_single(1, _context)[0].global_rank == 1
+        assert group.execute(_env, "MY_FLAG") == ["on", "on"]
+        assert ray.get(group.execute_single_async(0, sum, [1, 2])) == 3
+        assert leftovers()[0], "the workers are named actors while they run"
+    finally:
+        group.shutdown()
+    assert leftovers() == ([], [])
+    with pytest.raises(WorkerGroupError, match="shut down"):
+        group.execute(_context)
+
+
+def test_a_failing_rank_reaches_the_driver_at_once(ray_cluster):
+    group = WorkerGroup(WorkerGroupConfig(num_workers=2))
+    group.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(KeyError, match="only on one rank") as info:
+            group.execute(_boom, 1)
+        assert time.monotonic() - start < 20
+        note = "\n".join(info.value.__notes__)
+        assert "Raised on rank 1" in note
+        assert "_boom" in note, "the worker's traceback is attached"
+    finally:
+        group.shutdown()
+
+
+def test_gpus_are_shared_per_node_and_picked_by_position(ray_cluster):
+    group = WorkerGroup(WorkerGroupConfig(num_workers=2, resources_per_worker={"CPU": 1, "GPU": 1}))
+    group.start()
+    try:
+        results = group.execute(_context)
+    finally:
+        group.shutdown()
+    assert [visible for _, _, visible, _ in results] == ["0,1", "0,1"]
+    assert [index for _, index, _, _ in results] == [0, 1]
+
+
+def test_fractional_gpus_share_a_device(ray_cluster):
+    group = WorkerGroup(
+        WorkerGroupConfig(
+            num_workers=2, resources_per_worker={"CPU": 1, "GPU": 0.5}, placement_strategy="STRICT_PACK"
+        )
+    )
+    group.start()
+    try:
+        results = group.execute(_context)
+    finally:
+        group.shutdown()
+    visible = {v for _, _, v, _ in results}
+    assert len(visible) == 1 and len(visible.pop().split(",")) == 1
+    assert [index for _, index, _, _ in results] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("resources", "strategy", "expected"),
+    [
+        ({"CPU": 64}, "PACK", "no node has 64 CPU; the largest node has 2"),
+        ({"CPU": 1, "GPU": 8}, "PACK", "no node has 8 GPU"),
+        ({"CPU": 1, "tpu_pod": 1}, "PACK", "no node has the resource 'tpu_pod'"),
+        ({"CPU": 1}, "STRICT_SPREAD", "STRICT_SPREAD needs 2 nodes, and only 1"),
+    ],
+)
+def test_impossible_requests_fail_fast_and_name_the_cluster(ray_cluster, resources, strategy, expected):
+    group = WorkerGroup(
+        WorkerGroupConfig(num_workers=2, resources_per_worker=resources, placement_strategy=strategy)
+    )
+    start = time.monotonic()
+    with pytest.raises(ResourcesUnavailableError) as info:
+        group.start()
+    assert time.monotonic() - start < 5
+    assert expected in str(info.value)
+    assert "the cluster has {'CPU': 2.0, 'GPU': 2.0} in total" in str(info.value)
+
+
+def test_busy_cluster_times_out_within_startup_timeout(ray_cluster):
+    hog = WorkerGroup(WorkerGroupConfig(num_workers=2))
+    hog.start()
+    try:
+        group = WorkerGroup(WorkerGroupConfig(num_workers=1, startup_timeout_s=1.5))
+        start = time.monotonic()
+        with pytest.raises(ResourcesUnavailableError, match="within startup_timeout_s=1.5s"):
+            group.start()
+        assert time.monotonic() - start < 5
+    finally:
+        hog.shutdown()
