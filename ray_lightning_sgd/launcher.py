@@ -233,28 +233,41 @@ def _ship(payload: _Payload) -> ray.ObjectRef:
         if culprit is None:
             raise
         raise SerializationError(
-            f"cannot send the Trainer to the workers: {culprit} cannot be pickled ({err}). "
+            f"cannot send the Trainer to the workers: {culprit} cannot be pickled. "
             "Create it inside the LightningModule or DataModule hooks (setup, "
             "configure_model) instead, or keep it out of the objects that are sent"
         ) from err
 
 
-def _find_unpicklable(obj: Any, path: str, depth: int = 0, seen: set[int] | None = None) -> str | None:
-    """Returns the attribute path of the innermost object that cannot be pickled, if any."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth > 30:
+def _find_unpicklable(
+    obj: Any, path: str, depth: int = 0, ancestors: set[int] | None = None
+) -> str | None:
+    """Returns the attribute path of the innermost object that cannot be pickled, if any.
+
+    An object that fails only because it refers back to an object being searched (a connector that
+    holds its Trainer) is not the culprit: the search goes on in its ancestor's other attributes.
+    """
+    ancestors = set() if ancestors is None else ancestors
+    if depth > 40:
         return None
-    seen.add(id(obj))
     try:
         cloudpickle.dumps(obj)
         return None
     except Exception:  # noqa: BLE001 - any failure means "look inside"
         pass
-    for child_path, child in _children(obj, path):
-        found = _find_unpicklable(child, child_path, depth + 1, seen)
-        if found is not None:
-            return found
-    return f"{path} (a {type(obj).__module__}.{type(obj).__qualname__})"
+    ancestors.add(id(obj))
+    refers_back = False
+    try:
+        for child_path, child in _children(obj, path):
+            if id(child) in ancestors:
+                refers_back = True
+                continue
+            found = _find_unpicklable(child, child_path, depth + 1, ancestors)
+            if found is not None:
+                return found
+    finally:
+        ancestors.discard(id(obj))
+    return None if refers_back else f"{path} (a {type(obj).__module__}.{type(obj).__qualname__})"
 
 
 def _children(obj: Any, path: str) -> list[tuple[str, Any]]:

@@ -1,0 +1,199 @@
+"""RaySGDStrategy end to end: real Trainers on real Ray actors with a real gloo process group."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
+
+from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, SerializationError, TorchConfig
+from tests.conftest import leftovers
+from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _fit(strategy, seed: int = 0, **trainer_kwargs):
+    pl.seed_everything(seed)
+    model = TinyModel()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=2,
+        enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+        **trainer_kwargs,
+    )
+    trainer.fit(model, loader(shuffle=True), loader(n=40))
+    return trainer, model
+
+
+def test_weights_equal_lightning_ddp_spawn(ray_cluster):
+    reference_trainer, reference = _fit("ddp_spawn", devices=2)
+    trainer, model = _fit(RaySGDStrategy(num_workers=2))
+    initial = TinyModel()
+    expected, got = _weights(reference), _weights(model)
+    assert expected.keys() == got.keys()
+    diff = max((expected[k] - got[k]).abs().max().item() for k in expected)
+    assert diff <= 1e-6, f"weights differ from ddp_spawn by {diff}"
+    moved = max((got[k] - initial.state_dict()[k]).abs().max().item() for k in got)
+    assert moved > 1e-3, "training changed the weights"
+    assert trainer.global_step == 12 and trainer.current_epoch == 2
+    assert reference_trainer.callback_metrics["val_loss"] == pytest.approx(
+        trainer.callback_metrics["val_loss"].item(), abs=1e-6
+    )
+
+
+def test_driver_holds_state_metrics_and_callback_state(ray_cluster, tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=None, monitor="val_loss", save_last=True)
+    early = EarlyStopping(monitor="val_loss", patience=100)
+    pl.seed_everything(0)
+    model = TinyModel()
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2),
+        max_epochs=3,
+        callbacks=[checkpoint, early],
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    trainer.fit(model, loader(), loader(n=40))
+
+    assert trainer.state.status == TrainerStatus.FINISHED
+    assert trainer.state.fn == TrainerFn.FITTING
+    assert (trainer.current_epoch, trainer.global_step) == (3, 18)
+    assert {"train_loss", "val_loss", "val_acc"} <= set(trainer.callback_metrics)
+    assert {"train_loss", "val_loss"} <= set(trainer.logged_metrics)
+    assert "train_loss" in trainer.progress_bar_metrics
+    assert checkpoint.best_model_path.startswith(str(tmp_path))
+    assert checkpoint.best_model_path.endswith(".ckpt")
+    assert checkpoint.last_model_path.endswith("last.ckpt")
+    assert checkpoint.best_model_score is not None
+    assert checkpoint.best_model_score == pytest.approx(min(checkpoint.best_k_models.values()).item())
+    assert early.best_score == pytest.approx(trainer.callback_metrics["val_loss"].item(), abs=0.05)
+    assert early.wait_count >= 0 and torch.isfinite(early.best_score)
+    assert model.trainer is trainer
+
+    # the weights in the driver's model are those in the best/last checkpoint written on rank 0
+    saved = torch.load(checkpoint.last_model_path, weights_only=False)["state_dict"]
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, saved[key])
+
+    validated = trainer.validate(model, loader(n=40))
+    assert isinstance(validated, list) and len(validated) == 1
+    assert set(validated[0]) == {"val_loss", "val_acc"}
+    assert trainer.state.fn == TrainerFn.VALIDATING
+    tested = trainer.test(model, loader(n=40))
+    assert set(tested[0]) == {"test_loss"} and isinstance(tested[0]["test_loss"], float)
+
+
+@pytest.mark.parametrize("n", [37, 40])
+def test_predict_returns_every_sample_once_in_order(ray_cluster, n):
+    pl.seed_everything(0)
+    model = TinyModel()
+    data = loader(n=n, batch_size=8)
+    single = pl.Trainer(accelerator="cpu", devices=1, **quiet_trainer_kwargs()).predict(model, data)
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), **quiet_trainer_kwargs())
+    predicted = trainer.predict(model, data)
+    assert [p.shape for p in predicted] == [p.shape for p in single]
+    torch.testing.assert_close(torch.cat(predicted), torch.cat(single))
+    assert trainer.state.fn == TrainerFn.PREDICTING
+
+
+def test_user_exception_reaches_driver_quickly_and_nothing_is_left(ray_cluster):
+    model = TinyModel(fail_on_rank=1, fail_at_step=2)
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **quiet_trainer_kwargs())
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="injected failure at step 2") as info:
+        trainer.fit(model, loader())
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+    note = "\n".join(info.value.__notes__)
+    assert "Raised on rank 1 of 2" in note and "training_step" in note
+    assert trainer.state.status == TrainerStatus.INTERRUPTED
+    assert leftovers() == ([], [])
+
+
+def test_unpicklable_attribute_is_named_before_any_worker_starts(ray_cluster):
+    model = TinyModel()
+    model.lock = threading.Lock()
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **quiet_trainer_kwargs())
+    with pytest.raises(SerializationError, match=r"\.lock \(a _thread\.lock\)"):
+        trainer.fit(model, loader())
+    assert leftovers() == ([], [])
+
+
+def test_open_file_in_the_datamodule_is_named(ray_cluster, tmp_path):
+    class Data(pl.LightningDataModule):
+        def __init__(self):
+            super().__init__()
+            self.handle = open(tmp_path / "f.txt", "w")  # noqa: SIM115
+
+        def train_dataloader(self):
+            return loader()
+
+    data = Data()
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **quiet_trainer_kwargs())
+    try:
+        with pytest.raises(SerializationError, match=r"handle \(a _io\.TextIOWrapper\)"):
+            trainer.fit(TinyModel(), datamodule=data)
+    finally:
+        data.handle.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_workers": 0}, "num_workers must be >= 1, got 0"),
+        ({"num_workers": "2"}, "num_workers must be an int >= 1, got '2'"),
+        ({"num_cpus_per_worker": 0}, "num_cpus_per_worker must be > 0, got 0"),
+        ({"resources_per_worker": {"GPU": -1}}, "resources_per_worker['GPU'] must be a number > 0"),
+        ({"use_gpu": True, "resources_per_worker": {"CPU": 1}}, "add 'GPU': 1"),
+        ({"placement_strategy": "pack"}, "placement_strategy must be one of PACK"),
+        ({"startup_timeout_s": -1}, "startup_timeout_s must be > 0, got -1"),
+        ({"backend_config": "nccl"}, "backend_config must be a TorchConfig"),
+        ({"process_group_backend": "gloo"}, "use backend_config=TorchConfig(backend=...)"),
+        ({"find_unused_parameter": True}, "unknown argument find_unused_parameter=True"),
+    ],
+)
+def test_bad_arguments_fail_in_the_constructor(kwargs, message):
+    with pytest.raises(ConfigurationError) as info:
+        RaySGDStrategy(**kwargs)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"backend": "mpi"}, "TorchConfig.backend must be one of gloo, nccl"),
+        ({"init_method": "file"}, "TorchConfig.init_method must be one of env, tcp"),
+        ({"timeout_s": 0}, "TorchConfig.timeout_s must be > 0, got 0"),
+    ],
+)
+def test_bad_torch_config(kwargs, message):
+    with pytest.raises(ConfigurationError, match=message.replace(".", r"\.")):
+        TorchConfig(**kwargs)
+
+
+def test_ddp_kwargs_reach_distributed_data_parallel():
+    strategy = RaySGDStrategy(num_workers=2, find_unused_parameters=True, bucket_cap_mb=5)
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 5}
+
+
+def test_trainer_num_nodes_conflicts():
+    with pytest.raises(ConfigurationError, match=r"Trainer\(num_nodes=2\) conflicts"):
+        pl.Trainer(strategy=RaySGDStrategy(num_workers=2), num_nodes=2)
+
+
+def test_trainer_devices_conflict_before_ray_is_touched():
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), accelerator="cpu", devices=3)
+    with pytest.raises(ConfigurationError, match=r"Trainer\(devices=3\).*num_workers=3"):
+        trainer.fit(TinyModel(), loader())
