@@ -110,7 +110,9 @@ def describe_available() -> str:
 
 
 def _bundles_that_fit(bundle: Mapping[str, float], node: Mapping[str, float]) -> int:
-    return min(math.floor(node.get(name, 0.0) / amount + _EPSILON) for name, amount in bundle.items())
+    return min(
+        math.floor(node.get(name, 0.0) / amount + _EPSILON) for name, amount in bundle.items()
+    )
 
 
 def _summary(resources: Mapping[str, Any]) -> str:

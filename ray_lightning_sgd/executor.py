@@ -42,7 +42,9 @@ class BackendExecutor:
         worker_group_config: How many workers and what each one reserves.
     """
 
-    def __init__(self, backend_config: BackendConfig, worker_group_config: WorkerGroupConfig) -> None:
+    def __init__(
+        self, backend_config: BackendConfig, worker_group_config: WorkerGroupConfig
+    ) -> None:
         self._backend_config = backend_config
         self._backend = backend_config.backend_cls()
         self._worker_group = WorkerGroup(worker_group_config)

@@ -25,13 +25,14 @@ import torch
 import torch.backends.cudnn
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.accelerators import CPUAccelerator, CUDAAccelerator
-from pytorch_lightning.callbacks import BasePredictionWriter
+from pytorch_lightning.callbacks import BasePredictionWriter, Callback
 from pytorch_lightning.trainer.states import TrainerFn, TrainerState
 from ray import cloudpickle
 from torch import Tensor
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat, cluster
+from ray_lightning_sgd.environment import RayEnvironment
 from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError
 from ray_lightning_sgd.executor import BackendExecutor
 from ray_lightning_sgd.worker_group import get_worker_context
@@ -65,7 +66,9 @@ class RayLauncher(_compat.Launcher):
         return True
 
     @override
-    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any
+    ) -> Any:
         """Driver side: runs ``function`` on every worker and returns rank 0's result.
 
         With a Trainer, the driver's Trainer and model afterwards hold what the workers produced.
@@ -296,14 +299,16 @@ def _run_on_worker(payload: _Payload) -> _WorkerOutput:
     recorder = None
     if trainer is not None:
         strategy = trainer.strategy
-        strategy.cluster_environment.assign(context.rank, context.device_index)  # type: ignore[union-attr]
+        environment = getattr(strategy, "cluster_environment", None)
+        assert isinstance(environment, RayEnvironment), environment
+        environment.assign(context.rank, context.device_index)
         on_gpu = context.device_index is not None
         if on_gpu != isinstance(strategy.accelerator, CUDAAccelerator):
             strategy.accelerator = CUDAAccelerator() if on_gpu else CPUAccelerator()
         strategy.set_world_ranks()  # type: ignore[attr-defined]
         if trainer.state.fn == TrainerFn.PREDICTING:
             recorder = _BatchIndexRecorder()
-            trainer.callbacks.append(recorder)
+            _callbacks(trainer).append(recorder)
     results = payload.function(*payload.args, **payload.kwargs)
     if trainer is None:
         return _WorkerOutput(results, None, None)
@@ -322,7 +327,7 @@ def _collect_results(
     )
     predictions = None
     if recorder is not None:
-        trainer.callbacks.remove(recorder)
+        _callbacks(trainer).remove(recorder)
         if results is not None:
             outputs = _per_dataloader(results, trainer.predict_loop.num_dataloaders)
             indices = [recorder.indices.get(i, []) for i in range(len(outputs))]
@@ -335,7 +340,7 @@ def _collect_results(
         model_state=model_state,
         loop_state=_loop_of(trainer).state_dict(),
         callback_states={
-            cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()
+            cb.state_key: cb.state_dict() for cb in _callbacks(trainer) if cb.state_dict()
         },
         callback_metrics=_to_cpu(dict(trainer.callback_metrics)),
         logged_metrics=_to_cpu(dict(trainer.logged_metrics)),
@@ -359,7 +364,7 @@ def _recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[_WorkerOut
     loop = _loop_of(trainer)
     loop.load_state_dict(rank_zero.loop_state)
     loop.restarting = False  # the loop finished on the workers; it is not resuming
-    for callback in trainer.callbacks:
+    for callback in _callbacks(trainer):
         state = rank_zero.callback_states.get(callback.state_key)
         if state:
             if getattr(callback, "dirpath", False) is None and state.get("dirpath") is not None:
@@ -380,6 +385,11 @@ def _recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[_WorkerOut
         merged = merge_predictions([p for p in ranks if p is not None])
         return merged[0] if len(merged) == 1 else merged
     return outputs[0].results
+
+
+def _callbacks(trainer: pl.Trainer) -> list[Callback]:
+    # the Trainer sets this attribute in its callback connector, where type checkers do not see it
+    return trainer.callbacks  # type: ignore[attr-defined]
 
 
 def _loop_of(trainer: pl.Trainer) -> Any:
@@ -418,7 +428,9 @@ def merge_predictions(ranks: Sequence[_RankPredictions]) -> list[list[Any]]:
             (out, idx)
             for rank in ranks
             if dl < len(rank.outputs)
-            for out, idx in zip(rank.outputs[dl], _pad(rank.indices[dl], len(rank.outputs[dl])))
+            for out, idx in zip(
+                rank.outputs[dl], _pad(rank.indices[dl], len(rank.outputs[dl])), strict=True
+            )
         ]
         merged.append(_merge_one(batches))
     return merged
@@ -442,7 +454,7 @@ def _merge_one(batches: list[tuple[Any, list[int]]]) -> list[Any]:
             )
             return [output for output, _ in batches]
         batch_size = max(batch_size, len(indices))
-        for index, piece in zip(indices, pieces):
+        for index, piece in zip(indices, pieces, strict=True):
             samples.setdefault(index, piece)
     ordered = [samples[i] for i in sorted(samples)]
     return [_join(ordered[i : i + batch_size]) for i in range(0, len(ordered), batch_size)]

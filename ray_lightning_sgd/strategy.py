@@ -33,7 +33,10 @@ _OWNED_DDP_ARGS = {
     "process_group_backend": "use backend_config=TorchConfig(backend=...)",
     "timeout": "use backend_config=TorchConfig(timeout_s=...)",
 }
-_DDP_STRATEGY_ARGS = frozenset(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
+_DDP_STRATEGY_ARGS = frozenset(inspect.signature(DDPStrategy.__init__).parameters) - {
+    "self",
+    "kwargs",
+}
 _DDP_MODULE_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
     "self",
     "module",
@@ -145,7 +148,7 @@ class RaySGDStrategy(DDPStrategy):
     @override
     def set_world_ranks(self) -> None:
         # the ranks were assigned by the worker group and are already in the environment
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def _configure_launcher(self) -> None:

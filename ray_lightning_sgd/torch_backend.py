@@ -85,8 +85,13 @@ class TorchBackend(Backend):
         use_gpu = any(meta.gpu_ids for meta in worker_group.metadata)
         backend = backend_config.resolve_backend(use_gpu)
         address, port = worker_group.execute_single(0, _rendezvous_address)
-        log.debug("Joining %d workers to a %s process group at %s:%d", len(worker_group), backend,
-                  address, port)
+        log.debug(
+            "Joining %d workers to a %s process group at %s:%d",
+            len(worker_group),
+            backend,
+            address,
+            port,
+        )
         worker_group.execute(
             _init_process_group,
             backend=backend,
@@ -98,11 +103,14 @@ class TorchBackend(Backend):
 
     def on_shutdown(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
         refs = worker_group.execute_async(_destroy_process_group)
-        done, pending = ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_WAIT_S)
+        _done, pending = ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_WAIT_S)
         if pending:
             log.warning(
                 "%d of %d workers did not destroy their process group within %.0fs; "
-                "they are killed instead", len(pending), len(refs), _SHUTDOWN_WAIT_S
+                "they are killed instead",
+                len(pending),
+                len(refs),
+                _SHUTDOWN_WAIT_S,
             )
 
 

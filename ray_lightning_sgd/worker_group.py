@@ -270,7 +270,9 @@ class WorkerGroup:
                         WorkerContext(meta, rank, device_index(meta, devices[meta.node_id])),
                         devices[meta.node_id],
                     )
-                    for actor, meta, rank in zip(self._actors, self._metadata, self._ranks)
+                    for actor, meta, rank in zip(
+                        self._actors, self._metadata, self._ranks, strict=True
+                    )
                 ]
             )
             if config.init_hook is not None:
@@ -320,7 +322,7 @@ class WorkerGroup:
             ray.kill(actor, no_restart=True)
         if actors:
             # a call on a killed actor fails once Ray knows it is dead: wait for that, boundedly
-            probes = [actor.metadata.remote() for actor in actors]
+            probes: list[ray.ObjectRef] = [actor.metadata.remote() for actor in actors]
             ray.wait(probes, num_returns=len(probes), timeout=_SHUTDOWN_WAIT_S)
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
@@ -351,7 +353,7 @@ class WorkerGroup:
             )
         return group
 
-    def _start_actors(self, group: PlacementGroup) -> list[ray.actor.ActorHandle]:
+    def _start_actors(self, group: PlacementGroup) -> list[Any]:
         config = self._config
         resources = dict(config.resources_per_worker)
         num_cpus = resources.pop("CPU", 0)

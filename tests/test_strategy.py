@@ -77,7 +77,9 @@ def test_driver_holds_state_metrics_and_callback_state(ray_cluster, tmp_path):
     assert checkpoint.best_model_path.endswith(".ckpt")
     assert checkpoint.last_model_path.endswith("last.ckpt")
     assert checkpoint.best_model_score is not None
-    assert checkpoint.best_model_score == pytest.approx(min(checkpoint.best_k_models.values()).item())
+    assert checkpoint.best_model_score == pytest.approx(
+        min(checkpoint.best_k_models.values()).item()
+    )
     assert early.best_score == pytest.approx(trainer.callback_metrics["val_loss"].item(), abs=0.05)
     assert early.wait_count >= 0 and torch.isfinite(early.best_score)
     assert model.trainer is trainer
@@ -110,7 +112,9 @@ def test_predict_returns_every_sample_once_in_order(ray_cluster, n):
 
 def test_user_exception_reaches_driver_quickly_and_nothing_is_left(ray_cluster):
     model = TinyModel(fail_on_rank=1, fail_at_step=2)
-    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **quiet_trainer_kwargs())
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **quiet_trainer_kwargs()
+    )
     start = time.monotonic()
     with pytest.raises(ValueError, match="injected failure at step 2") as info:
         trainer.fit(model, loader())
@@ -125,7 +129,9 @@ def test_user_exception_reaches_driver_quickly_and_nothing_is_left(ray_cluster):
 def test_unpicklable_attribute_is_named_before_any_worker_starts(ray_cluster):
     model = TinyModel()
     model.lock = threading.Lock()
-    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **quiet_trainer_kwargs())
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **quiet_trainer_kwargs()
+    )
     with pytest.raises(SerializationError, match=r"\.lock \(a _thread\.lock\)"):
         trainer.fit(model, loader())
     assert leftovers() == ([], [])
@@ -135,13 +141,15 @@ def test_open_file_in_the_datamodule_is_named(ray_cluster, tmp_path):
     class Data(pl.LightningDataModule):
         def __init__(self):
             super().__init__()
-            self.handle = open(tmp_path / "f.txt", "w")  # noqa: SIM115
+            self.handle = open(tmp_path / "f.txt", "w")
 
         def train_dataloader(self):
             return loader()
 
     data = Data()
-    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **quiet_trainer_kwargs())
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **quiet_trainer_kwargs()
+    )
     try:
         with pytest.raises(SerializationError, match=r"handle \(a _io\.TextIOWrapper\)"):
             trainer.fit(TinyModel(), datamodule=data)

@@ -108,7 +108,9 @@ def test_gpus_are_shared_per_node_and_picked_by_position(ray_cluster):
 def test_fractional_gpus_share_a_device(ray_cluster):
     group = WorkerGroup(
         WorkerGroupConfig(
-            num_workers=2, resources_per_worker={"CPU": 1, "GPU": 0.5}, placement_strategy="STRICT_PACK"
+            num_workers=2,
+            resources_per_worker={"CPU": 1, "GPU": 0.5},
+            placement_strategy="STRICT_PACK",
         )
     )
     group.start()
@@ -130,9 +132,13 @@ def test_fractional_gpus_share_a_device(ray_cluster):
         ({"CPU": 1}, "STRICT_SPREAD", "STRICT_SPREAD needs 2 nodes, and only 1"),
     ],
 )
-def test_impossible_requests_fail_fast_and_name_the_cluster(ray_cluster, resources, strategy, expected):
+def test_impossible_requests_fail_fast_and_name_the_cluster(
+    ray_cluster, resources, strategy, expected
+):
     group = WorkerGroup(
-        WorkerGroupConfig(num_workers=2, resources_per_worker=resources, placement_strategy=strategy)
+        WorkerGroupConfig(
+            num_workers=2, resources_per_worker=resources, placement_strategy=strategy
+        )
     )
     start = time.monotonic()
     with pytest.raises(ResourcesUnavailableError) as info:
@@ -148,7 +154,7 @@ def test_busy_cluster_times_out_within_startup_timeout(ray_cluster):
     try:
         group = WorkerGroup(WorkerGroupConfig(num_workers=1, startup_timeout_s=1.5))
         start = time.monotonic()
-        with pytest.raises(ResourcesUnavailableError, match="within startup_timeout_s=1.5s"):
+        with pytest.raises(ResourcesUnavailableError, match=r"within startup_timeout_s=1\.5s"):
             group.start()
         assert time.monotonic() - start < 5
     finally:
