@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import ray
 
 from ray_lightning_sgd import cluster
-from ray_lightning_sgd.backend import BackendConfig
+from ray_lightning_sgd.backend import Backend, BackendConfig
 from ray_lightning_sgd.exceptions import WorkerGroupError
 from ray_lightning_sgd.worker_group import WorkerGroup, WorkerGroupConfig
 
@@ -54,6 +54,16 @@ class BackendExecutor:
     def state(self) -> ExecutorState:
         """Where the executor is in its life."""
         return self._state
+
+    @property
+    def backend(self) -> Backend:
+        """The backend whose hooks run at start and shutdown."""
+        return self._backend
+
+    @property
+    def backend_config(self) -> BackendConfig:
+        """The backend's configuration."""
+        return self._backend_config
 
     @property
     def worker_group(self) -> WorkerGroup:

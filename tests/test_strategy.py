@@ -10,6 +10,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, SerializationError, TorchConfig
 from tests.conftest import leftovers
@@ -35,8 +36,21 @@ def _fit(strategy, seed: int = 0, **trainer_kwargs):
     return trainer, model
 
 
+def _fit_ddp_spawn():
+    # Lightning's ddp_spawn leaves its gloo group undestroyed, and a process sometimes aborts at
+    # exit after training finished ("terminate called without an active exception"); that is the
+    # reference's flake, not ours, so try it once more
+    for attempt in range(3):
+        try:
+            return _fit("ddp_spawn", devices=2)
+        except ProcessExitedException:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def test_weights_equal_lightning_ddp_spawn(ray_cluster):
-    reference_trainer, reference = _fit("ddp_spawn", devices=2)
+    reference_trainer, reference = _fit_ddp_spawn()
     trainer, model = _fit(RaySGDStrategy(num_workers=2))
     initial = TinyModel()
     expected, got = _weights(reference), _weights(model)

@@ -1,0 +1,96 @@
+"""The launcher's pure parts: prediction merging, the unpicklable-object search, global state."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from ray_lightning_sgd.launcher import (
+    _find_unpicklable,
+    _GlobalState,
+    _RankPredictions,
+    merge_predictions,
+)
+
+
+def _distributed_batches(n: int, world: int, batch: int, output):
+    """Splits range(n) as DistributedSampler(shuffle=False) does, padding by repetition."""
+    total = -(-n // world) * world
+    indices = list(range(n)) + list(range(total - n))
+    ranks = []
+    for rank in range(world):
+        mine = indices[rank:total:world]
+        batches = [mine[i : i + batch] for i in range(0, len(mine), batch)]
+        ranks.append(_RankPredictions([[output(b) for b in batches]], [batches]))
+    return ranks
+
+
+@pytest.mark.parametrize(("n", "world", "batch"), [(10, 2, 3), (37, 4, 8), (8, 2, 4), (5, 4, 2)])
+def test_tensor_predictions_merge_into_dataset_order(n, world, batch):
+    ranks = _distributed_batches(n, world, batch, lambda b: torch.tensor(b).float().unsqueeze(1))
+    [merged] = merge_predictions(ranks)
+    expected = [list(range(n))[i : i + batch] for i in range(0, n, batch)]
+    assert [m.squeeze(1).long().tolist() for m in merged] == expected
+
+
+def test_dict_and_tuple_outputs_are_split_per_sample():
+    ranks = _distributed_batches(
+        7, 2, 2, lambda b: {"idx": torch.tensor(b), "pair": (torch.tensor(b), [str(i) for i in b])}
+    )
+    [merged] = merge_predictions(ranks)
+    assert [m["idx"].tolist() for m in merged] == [[0, 1], [2, 3], [4, 5], [6]]
+    assert isinstance(merged[0]["pair"], tuple)
+    assert [m["pair"][1] for m in merged] == [["0", "1"], ["2", "3"], ["4", "5"], ["6"]]
+
+
+def test_unsplittable_outputs_fall_back_to_rank_order_with_a_warning():
+    ranks = _distributed_batches(4, 2, 2, lambda b: torch.tensor(float(sum(b))))
+    with pytest.warns(UserWarning, match="could not split predictions"):
+        [merged] = merge_predictions(ranks)
+    assert [m.item() for m in merged] == [2.0, 4.0]
+
+
+def test_several_dataloaders_merge_separately():
+    first = _distributed_batches(4, 2, 2, lambda b: torch.tensor(b))
+    second = _distributed_batches(6, 2, 3, lambda b: torch.tensor(b) * 10)
+    ranks = [
+        _RankPredictions(a.outputs + b.outputs, a.indices + b.indices)
+        for a, b in zip(first, second, strict=True)
+    ]
+    merged = merge_predictions(ranks)
+    assert [t.tolist() for t in merged[0]] == [[0, 1], [2, 3]]
+    assert [t.tolist() for t in merged[1]] == [[0, 10, 20], [30, 40, 50]]
+
+
+class _Holder:
+    def __init__(self):
+        self.name = "fine"
+        self.inner = {"items": [1, 2, threading.Lock()]}
+        self.me = self  # a back-reference must not be blamed
+
+
+def test_the_innermost_unpicklable_object_is_named():
+    found = _find_unpicklable({"model": _Holder()}, "payload")
+    assert found == "payload['model'].inner['items'][2] (a _thread.lock)"
+
+
+def test_picklable_objects_have_no_culprit():
+    assert _find_unpicklable({"f": lambda x: x + 1, "n": [1, 2]}, "payload") is None
+
+
+def test_global_state_round_trips():
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    state = _GlobalState.capture()
+    expected = (torch.rand(2), random.random(), np.random.rand())
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    state.restore()
+    got = (torch.rand(2), random.random(), np.random.rand())
+    assert torch.equal(expected[0], got[0]) and expected[1:] == got[1:]
