@@ -6,6 +6,7 @@ import os
 
 import pytest
 import ray
+import torch
 import torch.distributed as dist
 from ray.util.placement_group import placement_group_table
 
@@ -15,7 +16,7 @@ from ray_lightning_sgd.worker_group import NAME_PREFIX
 # two CPUs for two workers, and GPUs that this machine does not have: Ray lets a node declare
 # them, which is enough to test how GPUs are assigned without running CUDA
 CLUSTER_CPUS = 2
-CLUSTER_FAKE_GPUS = 2
+CLUSTER_FAKE_GPUS = max(2, torch.cuda.device_count())
 
 
 def start_local_ray() -> None:

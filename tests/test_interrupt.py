@@ -1,0 +1,74 @@
+"""Ctrl-C on the driver stops the workers: a real driver subprocess gets a real SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import ray
+
+from tests.conftest import leftovers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DRIVER = """
+import sys, time
+import pytorch_lightning as pl
+from ray_lightning_sgd import RaySGDStrategy
+from tests.helpers import TinyModel, loader
+
+class Slow(TinyModel):
+    def __init__(self, marker):
+        super().__init__()
+        self.marker = marker
+
+    def training_step(self, batch, batch_idx):
+        open(self.marker, "w").close()  # tell the test that training has started
+        time.sleep(0.5)
+        return super().training_step(batch, batch_idx)
+
+trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=100,
+                     enable_progress_bar=False, logger=False, enable_checkpointing=False)
+trainer.fit(Slow(sys.argv[1]), loader())
+"""
+
+
+def test_sigint_on_the_driver_stops_every_worker(ray_cluster, tmp_path):
+    started = tmp_path / "started"
+    env = dict(os.environ)
+    env.update(
+        RAY_ADDRESS=ray.get_runtime_context().gcs_address,
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # the test cluster lives on 127.0.0.1
+        PYTHONPATH=str(ROOT),
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(DRIVER), str(started)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert driver.poll() is None, driver.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        assert leftovers()[0], "the workers run while the driver trains"
+        driver.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        output, _ = driver.communicate(timeout=30)
+        assert driver.returncode == 1, output[-3000:]
+        assert "Detected KeyboardInterrupt" in output
+        while leftovers() != ([], []) and time.monotonic() - start < 10:
+            time.sleep(0.2)
+        assert leftovers() == ([], []), "the interrupted driver left workers running"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
