@@ -60,5 +60,9 @@ def _restore_environment():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-    os.environ.clear()
+    for key in set(os.environ) - set(saved):
+        # Ray exports its own settings (auth mode, addresses) when a test first starts it; the
+        # clusters of later tests and their subprocesses need them
+        if not key.startswith("RAY_"):
+            del os.environ[key]
     os.environ.update(saved)

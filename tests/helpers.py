@@ -62,3 +62,30 @@ def quiet_trainer_kwargs() -> dict:
         "enable_model_summary": False,
         "logger": False,
     }
+
+
+class CountingDataset(torch.utils.data.Dataset):
+    """A dataset that counts how often the driver pickles it."""
+
+    pickled = 0
+
+    def __init__(self, n: int = 32) -> None:
+        self.data = make_data(n)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        return self.data[index]
+
+    def __getstate__(self) -> dict:
+        type(self).pickled += 1
+        return self.__dict__
+
+
+class GlobalStateProbe(TinyModel):
+    """Fails on a worker unless the driver's deterministic flag reached it."""
+
+    def on_train_start(self) -> None:
+        if not torch.are_deterministic_algorithms_enabled():
+            raise AssertionError("Trainer(deterministic=True) did not reach the worker")

@@ -11,10 +11,17 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from torch.multiprocessing.spawn import ProcessExitedException
+from torch.utils.data import DataLoader
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, SerializationError, TorchConfig
 from tests.conftest import leftovers
-from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+from tests.helpers import (
+    CountingDataset,
+    GlobalStateProbe,
+    TinyModel,
+    loader,
+    quiet_trainer_kwargs,
+)
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -219,3 +226,36 @@ def test_trainer_devices_conflict_before_ray_is_touched():
     trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), accelerator="cpu", devices=3)
     with pytest.raises(ConfigurationError, match=r"Trainer\(devices=3\).*num_workers=3"):
         trainer.fit(TinyModel(), loader())
+
+
+def test_trainer_model_and_data_are_pickled_once_for_all_workers(ray_cluster):
+    CountingDataset.pickled = 0
+    data = DataLoader(CountingDataset(), batch_size=8)
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2),
+        max_epochs=1,
+        enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )
+    trainer.fit(TinyModel(), data)
+    assert CountingDataset.pickled == 1
+
+
+def test_deterministic_flag_reaches_the_workers(ray_cluster):
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2),
+        max_epochs=1,
+        deterministic=True,
+        enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )
+    try:
+        trainer.fit(GlobalStateProbe(), loader(n=32))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert trainer.state.status == TrainerStatus.FINISHED
+
+
+def test_a_driver_without_gpu_accepts_use_gpu():
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2, use_gpu=True))
+    assert trainer.strategy.worker_group_config.resources_per_worker == {"CPU": 1.0, "GPU": 1.0}
