@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -53,11 +55,17 @@ def test_config_rejects_bad_values(kwargs, message):
     assert message in str(info.value)
 
 
-def test_creating_a_group_touches_no_ray_state():
-    if ray.is_initialized():
-        pytest.skip("needs a process without Ray; covered when this module runs first")
-    WorkerGroup(WorkerGroupConfig(num_workers=2))
-    assert not ray.is_initialized()
+def test_constructors_touch_no_ray_state():
+    # a fresh process, since this one may already be connected to the test cluster
+    code = (
+        "import ray, pytorch_lightning as pl\n"
+        "from ray_lightning_sgd import RaySGDStrategy, WorkerGroup, WorkerGroupConfig\n"
+        "WorkerGroup(WorkerGroupConfig(num_workers=2))\n"
+        "pl.Trainer(strategy=RaySGDStrategy(num_workers=2), logger=False)\n"
+        "print('initialized', ray.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "initialized False" in out.stdout, out.stderr[-2000:]
 
 
 def test_execute_runs_everywhere_in_rank_order(ray_cluster):
