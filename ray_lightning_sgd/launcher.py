@@ -338,9 +338,10 @@ def _collect_results(
     rank_zero = _RankZeroResults(
         state=trainer.state,
         model_state=model_state,
-        loop_state=_loop_of(trainer).state_dict(),
+        # tensors go back on the CPU: the driver may have no GPU to unpickle them onto
+        loop_state=_to_cpu(_loop_of(trainer).state_dict()),
         callback_states={
-            cb.state_key: cb.state_dict() for cb in _callbacks(trainer) if cb.state_dict()
+            cb.state_key: _to_cpu(cb.state_dict()) for cb in _callbacks(trainer) if cb.state_dict()
         },
         callback_metrics=_to_cpu(dict(trainer.callback_metrics)),
         logged_metrics=_to_cpu(dict(trainer.logged_metrics)),
@@ -457,6 +458,8 @@ def _merge_one(batches: list[tuple[Any, list[int]]]) -> list[Any]:
         for index, piece in zip(indices, pieces, strict=True):
             samples.setdefault(index, piece)
     ordered = [samples[i] for i in sorted(samples)]
+    if not ordered:
+        return []
     return [_join(ordered[i : i + batch_size]) for i in range(0, len(ordered), batch_size)]
 
 
@@ -476,7 +479,8 @@ def _split(output: Any, n: int) -> list[Any] | None:
         if output and all(c is not None for c in columns):
             rows = [[c[i] for c in columns] for i in range(n)]  # type: ignore[index]
             return [_Row(type(output), row) for row in rows]
-        if len(output) == n:
+        if len(output) == n and all(c is None for c in columns):
+            # a list with one entry per sample; a mix of batched and unbatched columns is not
             return [_Item(value) for value in output]
     return None
 

@@ -9,6 +9,7 @@ and waits a bounded time.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class TorchConfig(BackendConfig):
             raise ConfigurationError(
                 f"TorchConfig.timeout_s must be a number > 0, got {self.timeout_s!r}"
             )
-        if not self.timeout_s > 0:
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigurationError(f"TorchConfig.timeout_s must be > 0, got {self.timeout_s}")
 
     @property

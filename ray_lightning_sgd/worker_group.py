@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import os
 import socket
 import time
@@ -88,10 +89,15 @@ class WorkerGroupConfig:
         for name, amount in self.resources_per_worker.items():
             if not isinstance(name, str) or not name:
                 raise ConfigurationError(f"resource names must be non-empty strings, got {name!r}")
-            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+            if (
+                isinstance(amount, bool)
+                or not isinstance(amount, (int, float))
+                or not math.isfinite(amount)
+                or not amount >= 0.0001  # Ray's resource precision
+            ):
                 raise ConfigurationError(
                     f"resources_per_worker[{name!r}] must be a number > 0, got {amount!r}; "
-                    "leave the resource out instead of asking for none of it"
+                    "(at least 0.0001); leave the resource out instead of asking for none of it"
                 )
         if self.resources_per_worker.get("GPU", 0) > 1 and self.resources_per_worker["GPU"] % 1:
             raise ConfigurationError(
@@ -117,7 +123,7 @@ class WorkerGroupConfig:
             raise ConfigurationError(
                 f"startup_timeout_s must be a number > 0, got {self.startup_timeout_s!r}"
             )
-        if not self.startup_timeout_s > 0:
+        if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
             raise ConfigurationError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
 
     @property
@@ -249,8 +255,7 @@ class WorkerGroup:
             config.resources_per_worker, config.num_workers, config.placement_strategy
         )
         try:
-            self._placement_group = self._reserve(deadline)
-            self._actors = self._start_actors(self._placement_group)
+            self._actors = self._start_actors(self._reserve(deadline))
             self._state = _State.STARTED
             metadata = self._get(
                 [actor.metadata.remote() for actor in self._actors],
@@ -263,7 +268,7 @@ class WorkerGroup:
             self._metadata = [metadata[i] for i in order]
             self._ranks = assign_ranks(self._metadata)
             devices = visible_devices(self._metadata)
-            self.get(
+            self._get(
                 [
                     actor.execute.remote(
                         _set_context,
@@ -273,10 +278,18 @@ class WorkerGroup:
                     for actor, meta, rank in zip(
                         self._actors, self._metadata, self._ranks, strict=True
                     )
-                ]
+                ],
+                timeout_s=_remaining(deadline),
+                what="start the workers",
+                metadata=self._metadata,
             )
             if config.init_hook is not None:
-                self.execute(config.init_hook)
+                self._get(
+                    self.execute_async(config.init_hook),
+                    timeout_s=_remaining(deadline),
+                    what="run init_hook within startup_timeout_s",
+                    metadata=self._metadata,
+                )
         except BaseException:
             self.shutdown()
             raise
@@ -342,9 +355,11 @@ class WorkerGroup:
         group = placement_group(
             [bundle] * config.num_workers, strategy=config.placement_strategy, name=self._name
         )
+        self._placement_group = group  # so that shutdown() frees it if the wait is interrupted
         ready, _ = ray.wait([group.ready()], timeout=_remaining(deadline))
         if not ready:
             remove_placement_group(group)
+            self._placement_group = None
             raise ResourcesUnavailableError(
                 f"the cluster did not place {config.num_workers} workers of {bundle} "
                 f"({config.placement_strategy}) within startup_timeout_s="

@@ -94,3 +94,13 @@ def test_global_state_round_trips():
     state.restore()
     got = (torch.rand(2), random.random(), np.random.rand())
     assert torch.equal(expected[0], got[0]) and expected[1:] == got[1:]
+
+
+def test_mixed_batched_and_unbatched_columns_are_not_split_per_item():
+    ranks = _distributed_batches(4, 2, 2, lambda b: (torch.tensor(b), "tag"))
+    with pytest.warns(UserWarning, match="could not split predictions"):
+        merge_predictions(ranks)
+
+
+def test_no_batches_merge_to_nothing():
+    assert merge_predictions([_RankPredictions([[]], [[]])]) == [[]]

@@ -46,6 +46,8 @@ def _boom(rank_to_fail: int):
         ({"resources_per_worker": {}}, "at least one resource"),
         ({"placement_strategy": "TIGHT"}, "placement_strategy must be one of"),
         ({"startup_timeout_s": 0}, "startup_timeout_s must be > 0"),
+        ({"startup_timeout_s": float("inf")}, "startup_timeout_s must be > 0, got inf"),
+        ({"resources_per_worker": {"GPU": 1e-6}}, "(at least 0.0001)"),
         ({"worker_env": {"A": 1}}, "worker_env must map str to str"),
     ],
 )
