@@ -34,7 +34,13 @@ class Slow(TinyModel):
 
 trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=100,
                      enable_progress_bar=False, logger=False, enable_checkpointing=False)
-trainer.fit(Slow(sys.argv[1]), loader())
+try:
+    trainer.fit(Slow(sys.argv[1]), loader())
+except SystemExit:
+    # still connected: Ray has not reaped anything for a dead driver yet
+    from tests.conftest import leftovers
+    print("leftovers before exit", leftovers())
+    raise
 """
 
 
@@ -66,6 +72,7 @@ def test_sigint_on_the_driver_stops_every_worker(ray_cluster, tmp_path):
         output, _ = driver.communicate(timeout=30)
         assert driver.returncode == 1, output[-3000:]
         assert "Detected KeyboardInterrupt" in output
+        assert "leftovers before exit ([], [])" in output, output[-3000:]
         while leftovers() != ([], []) and time.monotonic() - start < 10:
             time.sleep(0.2)
         assert leftovers() == ([], []), "the interrupted driver left workers running"
