@@ -21,6 +21,7 @@ from ray_lightning_sgd.exceptions import (
     WorkerTimeoutError,
 )
 from ray_lightning_sgd.executor import BackendExecutor
+from ray_lightning_sgd.pool import shutdown as shutdown_workers
 from ray_lightning_sgd.ranks import WorkerMetadata, WorkerRank
 from ray_lightning_sgd.strategy import RaySGDStrategy
 from ray_lightning_sgd.torch_backend import TorchBackend, TorchConfig
@@ -54,4 +55,5 @@ __all__ = [
     "WorkerRank",
     "WorkerTimeoutError",
     "get_worker_context",
+    "shutdown_workers",
 ]

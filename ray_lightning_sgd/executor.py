@@ -95,6 +95,16 @@ class BackendExecutor:
         """
         return self._worker_group.get(self.run_async(fn, *args, **kwargs))
 
+    def is_alive(self, timeout_s: float) -> bool:
+        """Driver side: whether every worker answers within ``timeout_s``."""
+        if self._state is not ExecutorState.RUNNING:
+            return False
+        try:
+            self._worker_group.get(self._worker_group.execute_async(_ping), timeout_s=timeout_s)
+        except (WorkerGroupError, ray.exceptions.RayError):
+            return False
+        return True
+
     def shutdown(self, graceful: bool = True) -> None:
         """Driver side: tears the backend down (if ``graceful``) and stops every worker.
 
@@ -128,3 +138,7 @@ class BackendExecutor:
             raise WorkerGroupError(
                 f"cannot run on an executor that is {self._state.value}; call start() first"
             )
+
+
+def _ping() -> None:
+    """Runs on each worker. Does nothing; answering is the point."""

@@ -31,7 +31,7 @@ from ray import cloudpickle
 from torch import Tensor
 from typing_extensions import override
 
-from ray_lightning_sgd import _compat, cluster
+from ray_lightning_sgd import _compat, cluster, pool
 from ray_lightning_sgd.environment import RayEnvironment
 from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError
 from ray_lightning_sgd.executor import BackendExecutor
@@ -78,20 +78,39 @@ class RayLauncher(_compat.Launcher):
             _check_trainer(trainer, strategy)
         cluster.connect()
         payload = _ship(_Payload(trainer, function, args, kwargs, _GlobalState.capture()))
-        executor = BackendExecutor(strategy.backend_config, strategy.worker_group_config)
-        self._executor = executor
         succeeded = False
         try:
-            executor.start()
+            executor = self._start_executor()
             outputs = executor.run(_run_on_worker, payload)
             succeeded = True
         finally:
-            executor.shutdown(graceful=succeeded)
-            self._executor = None
             del payload
+            self._stop_executor(reuse=succeeded)
         if trainer is None:
             return outputs[0].results
         return _recover_results_in_driver(trainer, outputs)
+
+    def _start_executor(self) -> BackendExecutor:
+        strategy = self._strategy
+        if strategy.reuse_workers:
+            executor, warm = pool.acquire(strategy.backend_config, strategy.worker_group_config)
+            log.debug("%s workers for this call", "warm" if warm else "new")
+        else:
+            executor = BackendExecutor(strategy.backend_config, strategy.worker_group_config)
+            self._executor = executor
+            executor.start()
+        self._executor = executor
+        return executor
+
+    def _stop_executor(self, reuse: bool) -> None:
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        if reuse and self._strategy.reuse_workers:
+            pool.release(executor)
+        else:
+            # after a failure the survivors may be stuck in a collective: kill, do not ask
+            executor.shutdown(graceful=reuse)
 
     @override
     def kill(self, signum: int) -> None:

@@ -19,6 +19,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ray_lightning_sgd import pool
 from ray_lightning_sgd.environment import RayEnvironment
 from ray_lightning_sgd.exceptions import ConfigurationError
 from ray_lightning_sgd.launcher import RayLauncher
@@ -61,6 +62,12 @@ class RaySGDStrategy(DDPStrategy):
         init_hook: A function run on every worker after it starts, before training.
         worker_env: Environment variables set in every worker process.
         startup_timeout_s: How long to wait for the cluster to place and start the workers.
+        reuse_workers: Keep the workers (actors and process group) up after a successful call, so
+            that the next ``fit``, ``validate``, ``test`` or ``predict`` with the same settings,
+            of this Trainer or another, starts at once. Release them with
+            :meth:`shutdown_workers`, ``with RaySGDStrategy(...)``, or
+            :func:`ray_lightning_sgd.shutdown_workers`; they also end at interpreter exit and with
+            ``ray.shutdown()``. With False, every call starts and stops its own workers.
         **ddp_kwargs: Passed to :class:`torch.nn.parallel.DistributedDataParallel`
             (``find_unused_parameters``, ``bucket_cap_mb``, ``static_graph``, ...) or to
             :class:`~pytorch_lightning.strategies.DDPStrategy` (``ddp_comm_hook``, ...).
@@ -80,8 +87,11 @@ class RaySGDStrategy(DDPStrategy):
         init_hook: Callable[[], None] | None = None,
         worker_env: dict[str, str] | None = None,
         startup_timeout_s: float = 60,
+        reuse_workers: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
+        if not isinstance(reuse_workers, bool):
+            raise ConfigurationError(f"reuse_workers must be True or False, got {reuse_workers!r}")
         backend_config = TorchConfig() if backend_config is None else backend_config
         if not isinstance(backend_config, TorchConfig):
             raise ConfigurationError(
@@ -97,6 +107,7 @@ class RaySGDStrategy(DDPStrategy):
             startup_timeout_s=startup_timeout_s,
         )
         self._backend_config = backend_config
+        self._reuse_workers = reuse_workers
         super().__init__(
             cluster_environment=RayEnvironment(num_workers),
             process_group_backend=backend_config.backend,
@@ -113,6 +124,21 @@ class RaySGDStrategy(DDPStrategy):
     def backend_config(self) -> TorchConfig:
         """How the workers form their process group."""
         return self._backend_config
+
+    @property
+    def reuse_workers(self) -> bool:
+        """Whether workers stay up between calls."""
+        return self._reuse_workers
+
+    def shutdown_workers(self) -> None:
+        """Driver side: stops the idle workers that calls with this strategy's settings kept up."""
+        pool.shutdown(self._worker_group_config)
+
+    def __enter__(self) -> RaySGDStrategy:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown_workers()
 
     @property
     def ray_environment(self) -> RayEnvironment:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from ray.util.placement_group import placement_group_table
 
-from ray_lightning_sgd import _compat
+from ray_lightning_sgd import _compat, pool
 from ray_lightning_sgd.worker_group import NAME_PREFIX
 
 # two CPUs for two workers, and GPUs that this machine does not have: Ray lets a node declare
@@ -36,7 +36,20 @@ def ray_cluster():
     """A running local Ray cluster, shared by every test that asks for it."""
     start_local_ray()
     yield
-    assert leftovers() == ([], []), "a test left actors or placement groups of ours running"
+    assert_only_idle_workers_left()
+
+
+def assert_only_idle_workers_left() -> int:
+    """Checks that every live actor and placement group of ours is an idle warm group, then stops
+    those; returns how many idle groups there were."""
+    # warm workers may stay up, but only as idle groups the pool knows; anything else is a leak
+    idle = pool.idle_group_names()
+    actors, groups = leftovers()
+    unknown = [name for name in actors + groups if not any(name.startswith(g) for g in idle)]
+    assert unknown == [], "a test left actors or placement groups of ours running"
+    pool.shutdown()
+    assert leftovers() == ([], []), "shutting the idle workers down left some running"
+    return len(idle)
 
 
 def leftovers() -> tuple[list[str], list[str]]:

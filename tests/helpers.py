@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytorch_lightning as pl
 import torch
 from torch import nn
@@ -89,3 +91,20 @@ class GlobalStateProbe(TinyModel):
     def on_train_start(self) -> None:
         if not torch.are_deterministic_algorithms_enabled():
             raise AssertionError("Trainer(deterministic=True) did not reach the worker")
+
+
+class PidModel(TinyModel):
+    """Logs the process id of rank 0, so a test can tell whether a call reused its workers."""
+
+    def on_train_start(self) -> None:
+        self._log_pid()
+
+    def on_validation_start(self) -> None:
+        self._log_pid()
+
+    def on_test_start(self) -> None:
+        self._log_pid()
+
+    def _log_pid(self) -> None:
+        # logged outside a step: callback_metrics on the driver then hold rank 0's pid
+        self.trainer.callback_metrics["pid"] = torch.tensor(float(os.getpid()))

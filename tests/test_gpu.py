@@ -7,7 +7,7 @@ import pytorch_lightning as pl
 import torch
 
 from ray_lightning_sgd import RaySGDStrategy
-from tests.conftest import leftovers
+from tests.conftest import assert_only_idle_workers_left
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
 
 pytestmark = [
@@ -37,4 +37,4 @@ def test_fit_with_nccl_on_gpus(ray_cluster):
     assert all(p.device.type == "cpu" for p in model.parameters()), (
         "weights come back to the driver"
     )
-    assert leftovers() == ([], [])
+    assert assert_only_idle_workers_left() == 1

@@ -1,0 +1,122 @@
+"""Warm workers: calls reuse a started worker group, and nothing leaks whichever way it ends."""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import ray
+import torch
+
+import ray_lightning_sgd
+from ray_lightning_sgd import RaySGDStrategy, pool
+from tests.conftest import leftovers
+from tests.helpers import PidModel, TinyModel, loader, quiet_trainer_kwargs
+
+
+def _trainer(strategy: RaySGDStrategy, **kwargs) -> pl.Trainer:
+    settings = {"max_epochs": 1, "enable_checkpointing": False, **quiet_trainer_kwargs()}
+    return pl.Trainer(strategy=strategy, accelerator="cpu", **{**settings, **kwargs})
+
+
+def _pid(trainer: pl.Trainer) -> int:
+    return int(trainer.callback_metrics["pid"].item())
+
+
+def test_fit_validate_test_predict_share_one_worker_group(ray_cluster):
+    model = PidModel()
+    trainer = _trainer(RaySGDStrategy(num_workers=2))
+    trainer.fit(model, loader())
+    groups = pool.idle_group_names()
+    pids = [_pid(trainer)]
+    assert len(groups) == 1, "the fit's workers stay up"
+    trainer.validate(model, loader())
+    pids.append(_pid(trainer))
+    trainer.test(model, loader())
+    pids.append(_pid(trainer))
+    predictions = trainer.predict(model, loader())
+    assert len(predictions) == 12
+    assert pool.idle_group_names() == groups, "every call ran on the same group"
+    assert len(set(pids)) == 1 and pids[0] != 0, pids
+
+
+def test_a_new_trainer_with_equal_settings_reuses_the_workers(ray_cluster):
+    first, second = _trainer(RaySGDStrategy(num_workers=2)), _trainer(RaySGDStrategy(num_workers=2))
+    first.fit(PidModel(), loader())
+    second.fit(PidModel(), loader())
+    assert _pid(first) == _pid(second)
+    assert len(pool.idle_group_names()) == 1
+
+
+def test_warm_workers_train_exactly_as_new_ones(ray_cluster):
+    def fit(reuse: bool) -> dict[str, torch.Tensor]:
+        pl.seed_everything(3)
+        model = TinyModel()
+        _trainer(RaySGDStrategy(num_workers=2, reuse_workers=reuse), max_epochs=2).fit(
+            model, loader(shuffle=True)
+        )
+        return model.state_dict()
+
+    cold = fit(reuse=False)
+    assert leftovers() == ([], []), "reuse_workers=False stops the workers after the call"
+    warm_first, warm_second = fit(reuse=True), fit(reuse=True)
+    for key in cold:
+        torch.testing.assert_close(warm_first[key], cold[key], atol=1e-6, rtol=0)
+        torch.testing.assert_close(warm_second[key], cold[key], atol=1e-6, rtol=0)
+
+
+def test_a_failed_call_does_not_return_its_workers(ray_cluster):
+    trainer = _trainer(RaySGDStrategy(num_workers=2))
+    trainer.fit(PidModel(), loader())
+    before = _pid(trainer)
+    with pytest.raises(ValueError, match="injected failure"):
+        _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(fail_on_rank=0), loader())
+    assert pool.idle_group_names() == [] and leftovers() == ([], [])
+    trainer = _trainer(RaySGDStrategy(num_workers=2))
+    trainer.fit(PidModel(), loader())
+    assert _pid(trainer) != before, "new workers after the failure"
+
+
+def test_other_settings_free_the_idle_workers_first(ray_cluster):
+    # two workers of one CPU each fill the cluster: the second configuration only fits if the
+    # first one's idle workers are stopped
+    _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(), loader())
+    first = pool.idle_group_names()
+    _trainer(RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.9, startup_timeout_s=10)).fit(
+        TinyModel(), loader()
+    )
+    second = pool.idle_group_names()
+    assert len(second) == 1 and second != first
+
+
+def test_an_idle_worker_that_died_is_replaced(ray_cluster):
+    trainer = _trainer(RaySGDStrategy(num_workers=2))
+    trainer.fit(PidModel(), loader())
+    before = _pid(trainer)
+    (name,) = pool.idle_group_names()
+    ray.kill(ray.get_actor(f"{name}-1", namespace=_namespace()), no_restart=True)
+    trainer = _trainer(RaySGDStrategy(num_workers=2))
+    trainer.fit(PidModel(), loader())
+    assert _pid(trainer) != before
+    assert pool.idle_group_names() != [name]
+
+
+def test_ways_to_release_the_workers(ray_cluster):
+    with RaySGDStrategy(num_workers=2) as strategy:
+        _trainer(strategy).fit(TinyModel(), loader())
+        assert len(pool.idle_group_names()) == 1
+    assert leftovers() == ([], []), "leaving the with-block stops the workers"
+
+    strategy = RaySGDStrategy(num_workers=2)
+    _trainer(strategy).fit(TinyModel(), loader())
+    RaySGDStrategy(num_workers=1).shutdown_workers()
+    assert len(pool.idle_group_names()) == 1, "another configuration's release leaves them"
+    strategy.shutdown_workers()
+    assert leftovers() == ([], [])
+
+    _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(), loader())
+    assert ray_lightning_sgd.shutdown_workers() == 1
+    assert leftovers() == ([], [])
+
+
+def _namespace() -> str:
+    return ray.get_runtime_context().namespace
