@@ -1,9 +1,10 @@
 """The launcher: runs a Trainer entry point (fit, validate, test, predict) on a Ray worker group.
 
-Driver half: check the Trainer against the strategy, put the Trainer, model, data and global state
-into Ray's object store once, start a :class:`BackendExecutor`, run :func:`_run_on_worker` on every
-worker, shut the workers down on every path, and copy what rank 0 produced back into the driver's
-Trainer and model (:func:`_recover_results_in_driver`).
+Driver half: check the Trainer against the strategy, pickle the Trainer, model, data and global
+state, put them into Ray's object store once while a :class:`BackendExecutor` starts (or a warm one
+is taken from :mod:`ray_lightning_sgd.pool`), run :func:`_run_on_worker` on every worker, stop or
+keep the workers on every path, and copy what rank 0 produced back into the driver's Trainer and
+model (:func:`_recover_results_in_driver`).
 
 Worker half (:func:`_run_on_worker`): restore the global state, take the rank and device the group
 assigned, run the entry point, and collect what goes back (:func:`_collect_results`).
@@ -16,6 +17,7 @@ import os
 import random
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,6 +34,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat, cluster, pool
+from ray_lightning_sgd._serialization import Packed, pack, unpack
 from ray_lightning_sgd.environment import RayEnvironment
 from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError
 from ray_lightning_sgd.executor import BackendExecutor
@@ -77,15 +80,20 @@ class RayLauncher(_compat.Launcher):
         if trainer is not None:
             _check_trainer(trainer, strategy)
         cluster.connect()
-        payload = _ship(_Payload(trainer, function, args, kwargs, _GlobalState.capture()))
+        # pickled here, so that what cannot be pickled fails before any worker starts
+        packed = _pack(_Payload(trainer, function, args, kwargs, _GlobalState.capture()))
         succeeded = False
-        try:
-            executor = self._start_executor()
-            outputs = executor.run(_run_on_worker, payload)
-            succeeded = True
-        finally:
-            del payload
-            self._stop_executor(reuse=succeeded)
+        with ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put") as putter:
+            # the copy into the object store overlaps the workers' start
+            shipped = putter.submit(ray.put, packed)
+            del packed
+            try:
+                executor = self._start_executor()
+                outputs = [unpack(out) for out in executor.run(_run_on_worker, shipped.result())]
+                succeeded = True
+            finally:
+                del shipped
+                self._stop_executor(reuse=succeeded)
         if trainer is None:
             return outputs[0].results
         return _recover_results_in_driver(trainer, outputs)
@@ -138,7 +146,9 @@ class _RankZeroResults(NamedTuple):
     """What rank 0 sends back: everything the driver's Trainer and model need."""
 
     state: TrainerState
-    model_state: dict[str, Any] | None
+    #: The model's state dict, packed on its own so that the driver can copy it into its model
+    #: straight from Ray's object store (:func:`unpack` with ``copy=False``).
+    model_state: Packed | None
     loop_state: dict[str, Any]
     callback_states: dict[str, dict[str, Any]]
     callback_metrics: dict[str, Any]
@@ -246,10 +256,14 @@ def _check_trainer(trainer: pl.Trainer, strategy: RaySGDStrategy) -> None:
         )
 
 
-def _ship(payload: _Payload) -> ray.ObjectRef:
-    """Driver side: puts the payload into the object store once, naming what cannot be pickled."""
+def _pack(payload: _Payload) -> Packed:
+    """Driver side: pickles the payload for the object store, naming what cannot be pickled.
+
+    Tensors travel as out-of-band buffers (see :mod:`ray_lightning_sgd._serialization`): a
+    dataset in memory is written into the object store once, however many workers read it.
+    """
     try:
-        return ray.put(payload)
+        return pack(payload)
     except Exception as err:  # Ray raises TypeError, pickle.PicklingError and others
         culprit = _find_unpicklable(payload, "payload")
         if culprit is None:
@@ -310,8 +324,14 @@ def _children(obj: Any, path: str) -> list[tuple[str, Any]]:
     return []
 
 
-def _run_on_worker(payload: _Payload) -> _WorkerOutput:
+def _run_on_worker(packed: Packed) -> Packed:
     """Runs on each worker. Runs the entry point under the assigned rank and collects results."""
+    payload: _Payload = unpack(packed)
+    del packed
+    return pack(_run_payload(payload))
+
+
+def _run_payload(payload: _Payload) -> _WorkerOutput:
     context = get_worker_context()
     payload.global_state.restore()
     trainer = payload.trainer
@@ -356,7 +376,7 @@ def _collect_results(
         return _WorkerOutput(None, None, predictions)
     rank_zero = _RankZeroResults(
         state=trainer.state,
-        model_state=model_state,
+        model_state=None if model_state is None else pack(model_state),
         # tensors go back on the CPU: the driver may have no GPU to unpickle them onto
         loop_state=_to_cpu(_loop_of(trainer).state_dict()),
         callback_states={
@@ -377,7 +397,7 @@ def _recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[_WorkerOut
     model = trainer.lightning_module
     if rank_zero.model_state is not None:
         # not strict, as Lightning's spawn launcher: hooks on the worker may have changed layers
-        model.load_state_dict(rank_zero.model_state, strict=False)
+        model.load_state_dict(unpack(rank_zero.model_state, copy=False), strict=False)
     model.trainer = trainer
     trainer.state = rank_zero.state
     trainer.should_stop = rank_zero.should_stop

@@ -1,0 +1,171 @@
+"""Packing what the launcher sends between driver and workers: tensor storages out of band.
+
+Torch pickles a CPU tensor by writing its storage with ``torch.save`` into a bytes object, which
+Ray's serializer then copies again; the receiving side reads the bytes back with ``torch.load``. For a
+Trainer carrying a large dataset, or a model's weights coming back, those copies are most of the
+transfer. :func:`pack` pickles an object with cloudpickle but hands every CPU tensor's storage to
+pickle as an out-of-band buffer, which Ray writes into its object store once; :func:`unpack` copies
+each storage once into fresh, writable memory owned by the receiving process. Tensors that shared a
+storage (views, tied weights) share one again after the trip.
+
+Ray object refs and actor handles inside the object are not pickled here: they travel in
+:class:`Packed` itself, so that Ray's serializer sees them and counts their references.
+
+Anything else (GPU, sparse or quantized tensors, tensor subclasses, tensors with Python attributes)
+falls back to torch's own pickling, unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from typing import Any, NamedTuple
+
+import numpy as np
+import ray
+import torch
+from ray import cloudpickle
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class Packed(NamedTuple):
+    """A packed object: the pickle stream, its out-of-band buffers and the Ray objects it holds."""
+
+    data: bytes
+    #: One buffer per distinct tensor storage: ``PickleBuffer`` when packed, and whatever buffer
+    #: Ray hands back (a read-only view of its object store) after a trip through Ray.
+    buffers: list[Any]
+    ray_objects: list[Any]
+
+
+def pack(obj: Any) -> Packed:
+    """Pickles ``obj`` with cloudpickle, tensor storages out of band."""
+    file = io.BytesIO()
+    buffers: list[pickle.PickleBuffer] = []
+    pickler = _Pickler(file, buffers)
+    pickler.dump(obj)
+    return Packed(file.getvalue(), buffers, pickler.ray_objects)
+
+
+def unpack(packed: Packed, copy: bool = True) -> Any:
+    """Rebuilds what :func:`pack` packed; every tensor owns a writable copy of its storage.
+
+    With ``copy=False`` the tensors are views of the buffers instead, which after a trip through
+    Ray are Ray's shared object store: read them (to copy them elsewhere), never write them.
+    """
+    unpickler = _Unpickler(io.BytesIO(packed.data), packed.buffers, packed.ray_objects, copy)
+    return unpickler.load()
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    def __init__(self, file: io.BytesIO, buffers: list[pickle.PickleBuffer]) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self.ray_objects: list[Any] = []
+        # one _Storage per distinct storage, so that pickle's memo shares it between its tensors
+        self._storages: dict[int, _Storage] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
+            self.ray_objects.append(obj)
+            return len(self.ray_objects) - 1
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) in _PLAIN_TENSOR_TYPES and _is_plain_cpu_tensor(obj):
+            return self._reduce_tensor(obj)
+        return super().reducer_override(obj)
+
+    def _reduce_tensor(self, tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            key = storage.data_ptr()
+            ref = self._storages.get(key)
+            if ref is None:
+                ref = self._storages[key] = _Storage(storage)
+        else:  # empty storages have no address to tell them apart by
+            ref = _Storage(storage)
+        return _rebuild_tensor, (
+            ref,
+            tensor.dtype,
+            tensor.storage_offset(),
+            tuple(tensor.size()),
+            tensor.stride(),
+            tensor.requires_grad,
+            type(tensor) is torch.nn.Parameter,
+        )
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(
+        self, file: io.BytesIO, buffers: list[Any], ray_objects: list[Any], copy: bool
+    ) -> None:
+        super().__init__(file, buffers=buffers)
+        self._ray_objects = ray_objects
+        self._copy = copy
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._ray_objects[pid]
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not self._copy and module == __name__ and name == _rebuild_storage.__name__:
+            return _view_storage
+        return super().find_class(module, name)
+
+
+def _is_plain_cpu_tensor(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        # torch refuses to pickle these; its own path raises its own error
+        and (tensor.is_leaf or not tensor.requires_grad)
+        # Python attributes on a tensor travel only with torch's pickling
+        and not tensor.__dict__
+    )
+
+
+class _Storage:
+    """Sending side: one tensor storage, pickled as one out-of-band buffer."""
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self._storage = storage
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        storage = self._storage
+        as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        return _rebuild_storage, (pickle.PickleBuffer(as_bytes.numpy().data),)
+
+
+def _rebuild_storage(buffer: Any) -> torch.UntypedStorage:
+    source = _bytes_tensor(buffer)
+    return torch.empty(len(source), dtype=torch.uint8).copy_(source).untyped_storage()
+
+
+def _view_storage(buffer: Any) -> torch.UntypedStorage:
+    return _bytes_tensor(buffer).untyped_storage()
+
+
+def _bytes_tensor(buffer: Any) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # torch warns that Ray's read-only buffers are read-only; they are only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
+
+
+def _rebuild_tensor(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    parameter: bool,
+) -> torch.Tensor:
+    tensor = torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
