@@ -5,7 +5,7 @@ Every run is a fresh Python process; runs are interleaved (mode after mode, repe
 repetition) so that a noisy machine hurts every mode alike; the table shows medians and each figure's
 ratio to Lightning's ddp.
 
-    python benchmarks/bench.py                 # the table (3 repetitions)
+    python benchmarks/bench.py                 # the table (5 repetitions)
     python benchmarks/bench.py --repeats 5 --transfer-params 100_000_000
 
 Figures per run, all from the same callback on every rank:
@@ -43,7 +43,7 @@ MODES = ("single", "ddp", "ddp_spawn", "ray_train", "ray_sgd_cold", "ray_sgd_war
 WORKERS = 2
 BATCH = 128
 FEATURES = 1024
-STEPS_PER_RANK = 40
+STEPS_PER_RANK = 100
 WARMUP_STEPS = 5
 SHIP_WORKERS = (1, 2, 4)
 
@@ -316,7 +316,7 @@ def _in_subprocess(flag: str, value: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--transfer-params", type=int, default=100_000_000)
     parser.add_argument("--ship-mb", type=int, default=256)

@@ -5,12 +5,23 @@
     trainer = Trainer(strategy=RaySGDStrategy(num_workers=4), max_epochs=10)
     trainer.fit(model, datamodule=dm)
 
-``RaySGDStrategy`` is all a Lightning user needs. ``WorkerGroup``, ``Backend``, ``BackendConfig``,
-``TorchBackend`` and ``BackendExecutor`` are public for people who build other backends.
+``RaySGDStrategy`` is all a Lightning user needs. It comes in both Lightning namespaces:
+``ray_lightning_sgd.pytorch_lightning.RaySGDStrategy`` for ``pytorch_lightning.Trainer`` and
+``ray_lightning_sgd.lightning.RaySGDStrategy`` for ``lightning.pytorch.Trainer``;
+``ray_lightning_sgd.RaySGDStrategy`` is the first where ``pytorch_lightning`` is installed, else the
+second. Lightning is imported only when one of them is first used.
+
+``WorkerGroup``, ``Backend``, ``BackendConfig``, ``TorchBackend`` and ``BackendExecutor`` are public
+for people who build other backends.
 """
 
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
 from ray_lightning_sgd.backend import Backend, BackendConfig
-from ray_lightning_sgd.environment import RayEnvironment
 from ray_lightning_sgd.exceptions import (
     ConfigurationError,
     RaySGDError,
@@ -23,7 +34,6 @@ from ray_lightning_sgd.exceptions import (
 from ray_lightning_sgd.executor import BackendExecutor
 from ray_lightning_sgd.pool import shutdown as shutdown_workers
 from ray_lightning_sgd.ranks import WorkerMetadata, WorkerRank
-from ray_lightning_sgd.strategy import RaySGDStrategy
 from ray_lightning_sgd.torch_backend import TorchBackend, TorchConfig
 from ray_lightning_sgd.worker_group import (
     WorkerContext,
@@ -31,6 +41,37 @@ from ray_lightning_sgd.worker_group import (
     WorkerGroupConfig,
     get_worker_context,
 )
+
+if TYPE_CHECKING:
+    from ray_lightning_sgd.pytorch_lightning import RayEnvironment, RaySGDStrategy
+
+#: The names that belong to a Lightning namespace, resolved on first use.
+_FLAVOURED = ("RayEnvironment", "RaySGDStrategy")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FLAVOURED:
+        return getattr(_default_flavour(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _default_flavour() -> ModuleType:
+    try:
+        return importlib.import_module("ray_lightning_sgd.pytorch_lightning")
+    except ModuleNotFoundError as err:
+        if err.name not in ("pytorch_lightning", "lightning_fabric"):
+            raise
+    try:
+        return importlib.import_module("ray_lightning_sgd.lightning")
+    except ModuleNotFoundError as err:
+        if err.name != "lightning":
+            raise
+        raise ImportError(
+            "RaySGDStrategy needs Lightning, and neither pytorch_lightning nor lightning is "
+            "installed; pip install 'ray_lightning_sgd[pytorch-lightning]' or "
+            "'ray_lightning_sgd[lightning]'"
+        ) from err
+
 
 __version__ = "0.1.0"
 

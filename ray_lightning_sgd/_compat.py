@@ -6,17 +6,25 @@ release moves it.
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
 import ray._private.ray_constants as _ray_constants
-from pytorch_lightning.strategies.launchers.launcher import _Launcher
 
-#: Lightning's launcher interface has no public name; strategies must return one of these.
-Launcher = _Launcher
+if TYPE_CHECKING:
+    # Lightning's launcher interface has no public name; strategies must return one of these
+    from pytorch_lightning.strategies.launchers.launcher import _Launcher as Launcher  # noqa: F401
+
+    from ray_lightning_sgd.launcher import RayLauncherBase
 
 #: Ray reads this environment variable once, at import, into ``ENABLE_RAY_CLUSTER``. With it off,
 #: a local instance binds and advertises 127.0.0.1 instead of the machine's external address.
 _RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+#: Where each Lightning namespace keeps its (private) launcher interface.
+_LAUNCHER_MODULE = "{namespace}.strategies.launchers.launcher"
+_LAUNCHER_CLASS = "_Launcher"
 
 
 def bind_local_ray_to_loopback() -> None:
@@ -27,3 +35,27 @@ def bind_local_ray_to_loopback() -> None:
     """
     os.environ[_RAY_LOOPBACK_ENV] = "0"
     _ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def launcher_interface(namespace: str) -> type:
+    """Lightning's launcher interface (``_Launcher``) in ``namespace``: the base of a launcher."""
+    module = importlib.import_module(_LAUNCHER_MODULE.format(namespace=namespace))
+    cls: type = getattr(module, _LAUNCHER_CLASS)
+    return cls
+
+
+class ConfigureLauncher:
+    """A strategy mixin: Lightning asks a strategy for its launcher through a private hook.
+
+    ``Strategy._configure_launcher`` runs when the strategy is set up (and again when its
+    accelerator changes); it must set ``self._launcher``, which the public ``launcher`` property
+    returns. The strategy gives the launcher through :meth:`make_launcher`.
+    """
+
+    _launcher: Any
+
+    def make_launcher(self) -> RayLauncherBase:
+        raise NotImplementedError
+
+    def _configure_launcher(self) -> None:
+        self._launcher = self.make_launcher()

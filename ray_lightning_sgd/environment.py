@@ -2,20 +2,29 @@
 
 On the driver it only knows the world size; on each worker the launcher fills in the worker's rank
 and device before Lightning runs, and Lightning reads them from here.
+
+:class:`RayEnvironmentBase` is the implementation, for either Lightning namespace; the
+``RayEnvironment`` of :mod:`ray_lightning_sgd.pytorch_lightning` and of
+:mod:`ray_lightning_sgd.lightning` join it with that namespace's ``ClusterEnvironment``.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
-from lightning_fabric.plugins.environments import ClusterEnvironment
 from typing_extensions import override
 
 from ray_lightning_sgd.ranks import WorkerRank
 
+if TYPE_CHECKING:
+    from lightning_fabric.plugins.environments import ClusterEnvironment as _Base
+else:
+    _Base = object
 
-class RayEnvironment(ClusterEnvironment):
+
+class RayEnvironmentBase(_Base):
     """Ranks that the worker group assigned; the driver is rank 0 of ``world_size`` until then."""
 
     def __init__(self, world_size: int) -> None:

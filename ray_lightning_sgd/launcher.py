@@ -12,6 +12,7 @@ assigned, run the entry point, and collect what goes back (:func:`_collect_resul
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -26,24 +27,30 @@ import ray
 import torch
 import torch.backends.cudnn
 from lightning_utilities.core.apply_func import apply_to_collection
-from pytorch_lightning.accelerators import CPUAccelerator, CUDAAccelerator
-from pytorch_lightning.callbacks import BasePredictionWriter, Callback
-from pytorch_lightning.trainer.states import TrainerFn, TrainerState
 from ray import cloudpickle
 from torch import Tensor
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat, cluster, pool
 from ray_lightning_sgd._serialization import Packed, pack, unpack
-from ray_lightning_sgd.environment import RayEnvironment
+from ray_lightning_sgd.environment import RayEnvironmentBase
 from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError
 from ray_lightning_sgd.executor import BackendExecutor
+from ray_lightning_sgd.flavour import Flavour
 from ray_lightning_sgd.worker_group import get_worker_context
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback
 
-    from ray_lightning_sgd.strategy import RaySGDStrategy
+    from ray_lightning_sgd.strategy import RaySGDStrategyBase
+
+    _Base = _compat.Launcher
+else:
+    _Base = object
+
+# the values of Lightning's TrainerFn, the same in both namespaces
+_FITTING, _VALIDATING, _TESTING, _PREDICTING = "fit", "validate", "test", "predict"
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +58,18 @@ log = logging.getLogger(__name__)
 _INHERITED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
 
 
-class RayLauncher(_compat.Launcher):
+class RayLauncherBase(_Base):
     """Driver side: launches a Trainer entry point on a gang of Ray actors and brings results back.
+
+    The implementation for either Lightning namespace; the ``RayLauncher`` of
+    :mod:`ray_lightning_sgd.pytorch_lightning` and :mod:`ray_lightning_sgd.lightning` join it with
+    that namespace's launcher interface.
 
     Args:
         strategy: The strategy whose worker group and backend configs the launch uses.
     """
 
-    def __init__(self, strategy: RaySGDStrategy) -> None:
+    def __init__(self, strategy: RaySGDStrategyBase) -> None:
         self._strategy = strategy
         self._executor: BackendExecutor | None = None
 
@@ -145,7 +156,7 @@ class _Payload(NamedTuple):
 class _RankZeroResults(NamedTuple):
     """What rank 0 sends back: everything the driver's Trainer and model need."""
 
-    state: TrainerState
+    state: Any  # the TrainerState of the Trainer's namespace
     #: The model's state dict, packed on its own so that the driver can copy it into its model
     #: straight from Ray's object store (:func:`unpack` with ``copy=False``).
     model_state: Packed | None
@@ -211,14 +222,13 @@ class _GlobalState:
         os.environ.update(self.env)
 
 
-class _BatchIndexRecorder(BasePredictionWriter):
+class _BatchIndexRecorderBase:
     """Runs on each worker. Records which samples each predicted batch held."""
 
     def __init__(self) -> None:
-        super().__init__(write_interval="batch")
+        super().__init__(write_interval="batch")  # type: ignore[call-arg]
         self.indices: dict[int, list[list[int]]] = {}
 
-    @override
     def write_on_batch_end(
         self,
         trainer: pl.Trainer,
@@ -232,22 +242,29 @@ class _BatchIndexRecorder(BasePredictionWriter):
         self.indices.setdefault(dataloader_idx, []).append(list(batch_indices or []))
 
 
-def _check_trainer(trainer: pl.Trainer, strategy: RaySGDStrategy) -> None:
+@functools.cache
+def _batch_index_recorder(flavour: Flavour) -> type[_BatchIndexRecorderBase]:
+    """The recorder for one namespace: Lightning keeps batch indices only for its own writers."""
+    return type("_BatchIndexRecorder", (_BatchIndexRecorderBase, flavour.prediction_writer), {})
+
+
+def _check_trainer(trainer: pl.Trainer, strategy: RaySGDStrategyBase) -> None:
     """Driver side: rejects Trainer settings that conflict with the strategy, before Ray starts."""
     accelerator = trainer.accelerator
-    if not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator)):
+    cpu, cuda = strategy.flavour.cpu_accelerator, strategy.flavour.cuda_accelerator
+    if not isinstance(accelerator, (cpu, cuda)):
         raise ConfigurationError(
             f"RaySGDStrategy trains on CPUs or CUDA GPUs, but the Trainer chose "
             f"{type(accelerator).__name__}; use Trainer(accelerator='auto') or 'cpu', and "
             "RaySGDStrategy(use_gpu=True) for GPUs"
         )
-    if isinstance(accelerator, CPUAccelerator) and trainer.num_devices > 1:
+    if isinstance(accelerator, cpu) and trainer.num_devices > 1:
         raise ConfigurationError(
             f"Trainer(devices={trainer.num_devices}) conflicts with RaySGDStrategy, which runs one "
             "device per worker: remove devices and set "
             f"RaySGDStrategy(num_workers={trainer.num_devices})"
         )
-    if isinstance(accelerator, CUDAAccelerator) and not strategy.worker_group_config.use_gpu:
+    if isinstance(accelerator, cuda) and not strategy.worker_group_config.use_gpu:
         warnings.warn(
             "The driver's Trainer chose the CUDA accelerator, but RaySGDStrategy(use_gpu=False) "
             "gives the workers no GPU, so they train on CPUs; pass use_gpu=True to give each "
@@ -339,15 +356,17 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
     if trainer is not None:
         strategy = trainer.strategy
         environment = getattr(strategy, "cluster_environment", None)
-        assert isinstance(environment, RayEnvironment), environment
+        assert isinstance(environment, RayEnvironmentBase), environment
+        flavour: Flavour = strategy.flavour  # type: ignore[attr-defined]
         environment.assign(context.rank, context.device_index)
         on_gpu = context.device_index is not None
-        if on_gpu != isinstance(strategy.accelerator, CUDAAccelerator):
-            strategy.accelerator = CUDAAccelerator() if on_gpu else CPUAccelerator()
+        if on_gpu != isinstance(strategy.accelerator, flavour.cuda_accelerator):
+            accelerator = flavour.cuda_accelerator if on_gpu else flavour.cpu_accelerator
+            strategy.accelerator = accelerator()
         strategy.set_world_ranks()  # type: ignore[attr-defined]
-        if trainer.state.fn == TrainerFn.PREDICTING:
-            recorder = _BatchIndexRecorder()
-            _callbacks(trainer).append(recorder)
+        if trainer.state.fn == _PREDICTING:
+            recorder = _batch_index_recorder(flavour)()
+            _callbacks(trainer).append(recorder)  # type: ignore[arg-type]
     results = payload.function(*payload.args, **payload.kwargs)
     if trainer is None:
         return _WorkerOutput(results, None, None)
@@ -355,18 +374,16 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
 
 
 def _collect_results(
-    trainer: pl.Trainer, results: Any, global_rank: int, recorder: _BatchIndexRecorder | None
+    trainer: pl.Trainer, results: Any, global_rank: int, recorder: _BatchIndexRecorderBase | None
 ) -> _WorkerOutput:
     """Runs on each worker. Gathers what the driver needs: everything from rank 0, and each
     rank's predictions."""
     fn = trainer.state.fn
     # every rank computes the state dict, in case metrics in the model synchronise in it
-    model_state = (
-        _to_cpu(trainer.lightning_module.state_dict()) if fn == TrainerFn.FITTING else None
-    )
+    model_state = _to_cpu(trainer.lightning_module.state_dict()) if fn == _FITTING else None
     predictions = None
     if recorder is not None:
-        _callbacks(trainer).remove(recorder)
+        _callbacks(trainer).remove(recorder)  # type: ignore[arg-type]
         if results is not None:
             outputs = _per_dataloader(results, trainer.predict_loop.num_dataloaders)
             indices = [recorder.indices.get(i, []) for i in range(len(outputs))]
@@ -418,7 +435,7 @@ def _recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[_WorkerOut
     ):
         target.clear()
         target.update(source)
-    if trainer.state.fn == TrainerFn.PREDICTING:
+    if trainer.state.fn == _PREDICTING:
         ranks = [out.predictions for out in outputs]
         if any(p is None for p in ranks):
             return None
@@ -434,11 +451,11 @@ def _callbacks(trainer: pl.Trainer) -> list[Callback]:
 
 def _loop_of(trainer: pl.Trainer) -> Any:
     return {
-        TrainerFn.FITTING: trainer.fit_loop,
-        TrainerFn.VALIDATING: trainer.validate_loop,
-        TrainerFn.TESTING: trainer.test_loop,
-        TrainerFn.PREDICTING: trainer.predict_loop,
-    }[trainer.state.fn]  # type: ignore[index]
+        _FITTING: trainer.fit_loop,
+        _VALIDATING: trainer.validate_loop,
+        _TESTING: trainer.test_loop,
+        _PREDICTING: trainer.predict_loop,
+    }[trainer.state.fn.value]  # type: ignore[union-attr]
 
 
 def _per_dataloader(results: Any, num_dataloaders: int) -> list[list[Any]]:

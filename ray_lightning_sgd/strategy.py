@@ -1,30 +1,46 @@
 """RaySGDStrategy: Lightning's DDP, with its processes run as a gang of Ray actors.
 
-The strategy is a thin :class:`~pytorch_lightning.strategies.DDPStrategy`: it validates its arguments
-in the constructor (before Ray is touched), hands the launch to :class:`RayLauncher`, and reads ranks
-and device from :class:`RayEnvironment`. Everything else is Lightning's DDP.
+The strategy is a thin ``DDPStrategy``: it validates its arguments in the constructor (before Ray is
+touched), hands the launch to its launcher (:class:`~ray_lightning_sgd.launcher.RayLauncherBase`), and
+reads ranks and device from its cluster environment
+(:class:`~ray_lightning_sgd.environment.RayEnvironmentBase`). Everything else is Lightning's DDP.
+
+:class:`RaySGDStrategyBase` is the implementation, for either Lightning namespace;
+``ray_lightning_sgd.pytorch_lightning.RaySGDStrategy`` and ``ray_lightning_sgd.lightning.RaySGDStrategy``
+join it with that namespace's ``DDPStrategy``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ray_lightning_sgd import pool
-from ray_lightning_sgd.environment import RayEnvironment
+from ray_lightning_sgd import _compat, pool
+from ray_lightning_sgd.environment import RayEnvironmentBase
 from ray_lightning_sgd.exceptions import ConfigurationError
-from ray_lightning_sgd.launcher import RayLauncher
+from ray_lightning_sgd.flavour import Flavour
 from ray_lightning_sgd.torch_backend import TorchConfig
 from ray_lightning_sgd.worker_group import WorkerGroupConfig
+
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies import DDPStrategy as _Base
+
+    from ray_lightning_sgd.launcher import RayLauncherBase
+else:
+    _Base = object
+
+_OTHER_NAMESPACE = {
+    "pytorch_lightning": ("lightning.pytorch", "lightning"),
+    "lightning.pytorch": ("pytorch_lightning", "pytorch_lightning"),
+}
 
 # DDPStrategy arguments that this strategy decides itself, and what to use instead
 _OWNED_DDP_ARGS = {
@@ -33,10 +49,6 @@ _OWNED_DDP_ARGS = {
     "start_method": "Ray starts the workers",
     "process_group_backend": "use backend_config=TorchConfig(backend=...)",
     "timeout": "use backend_config=TorchConfig(timeout_s=...)",
-}
-_DDP_STRATEGY_ARGS = frozenset(inspect.signature(DDPStrategy.__init__).parameters) - {
-    "self",
-    "kwargs",
 }
 _DDP_MODULE_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
     "self",
@@ -47,7 +59,7 @@ _DDP_MODULE_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__)
 }
 
 
-class RaySGDStrategy(DDPStrategy):
+class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
     """Distributed data parallel training on a gang of Ray actors.
 
     Args:
@@ -74,6 +86,10 @@ class RaySGDStrategy(DDPStrategy):
     """
 
     strategy_name = "ray_sgd"
+    #: The Lightning namespace of this class, and the launcher and environment classes it uses.
+    flavour: ClassVar[Flavour]
+    environment_class: ClassVar[type[RayEnvironmentBase]]
+    launcher_class: ClassVar[type[RayLauncherBase]]
 
     def __init__(
         self,
@@ -97,7 +113,7 @@ class RaySGDStrategy(DDPStrategy):
             raise ConfigurationError(
                 f"backend_config must be a TorchConfig, got {type(backend_config).__name__}"
             )
-        _check_ddp_kwargs(ddp_kwargs)
+        _check_ddp_kwargs(ddp_kwargs, self.flavour.ddp_strategy)
         self._worker_group_config = WorkerGroupConfig(
             num_workers=num_workers,
             resources_per_worker=_resources(num_cpus_per_worker, use_gpu, resources_per_worker),
@@ -109,7 +125,7 @@ class RaySGDStrategy(DDPStrategy):
         self._backend_config = backend_config
         self._reuse_workers = reuse_workers
         super().__init__(
-            cluster_environment=RayEnvironment(num_workers),
+            cluster_environment=self.environment_class(num_workers),
             process_group_backend=backend_config.backend,
             timeout=timedelta(seconds=backend_config.timeout_s),
             **ddp_kwargs,
@@ -134,16 +150,26 @@ class RaySGDStrategy(DDPStrategy):
         """Driver side: stops the idle workers that calls with this strategy's settings kept up."""
         pool.shutdown(self._worker_group_config)
 
-    def __enter__(self) -> RaySGDStrategy:
+    def __enter__(self) -> RaySGDStrategyBase:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown_workers()
 
+    def __repr__(self) -> str:
+        # Lightning shows this when a Trainer of the other namespace refuses the strategy
+        namespace = self.flavour.namespace
+        other_namespace, other_module = _OTHER_NAMESPACE[namespace]
+        return (
+            f"{type(self).__module__}.RaySGDStrategy(num_workers="
+            f"{self._worker_group_config.num_workers}), for a {namespace}.Trainer (a "
+            f"{other_namespace}.Trainer takes ray_lightning_sgd.{other_module}.RaySGDStrategy)"
+        )
+
     @property
-    def ray_environment(self) -> RayEnvironment:
+    def ray_environment(self) -> RayEnvironmentBase:
         """The cluster environment that holds this worker's rank and device."""
-        assert isinstance(self.cluster_environment, RayEnvironment), self.cluster_environment
+        assert isinstance(self.cluster_environment, RayEnvironmentBase), self.cluster_environment
         return self.cluster_environment
 
     @property
@@ -174,11 +200,11 @@ class RaySGDStrategy(DDPStrategy):
     @override
     def set_world_ranks(self) -> None:
         # the ranks were assigned by the worker group and are already in the environment
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self.flavour.rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
-    @override
-    def _configure_launcher(self) -> None:
-        self._launcher = RayLauncher(self)
+    def make_launcher(self) -> RayLauncherBase:
+        """Returns the launcher Lightning uses for this strategy."""
+        return self.launcher_class(self)
 
 
 def _resources(
@@ -213,13 +239,19 @@ def _resources(
     return resources
 
 
-def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any]) -> None:
+@functools.cache
+def _ddp_strategy_args(ddp_strategy: type) -> frozenset[str]:
+    init = vars(ddp_strategy)["__init__"]
+    return frozenset(inspect.signature(init).parameters) - {"self", "kwargs"}
+
+
+def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], ddp_strategy: type) -> None:
     for name in ddp_kwargs:
         if name in _OWNED_DDP_ARGS:
             raise ConfigurationError(
                 f"RaySGDStrategy does not take {name}={ddp_kwargs[name]!r}: {_OWNED_DDP_ARGS[name]}"
             )
-        if name not in _DDP_STRATEGY_ARGS and name not in _DDP_MODULE_ARGS:
+        if name not in _ddp_strategy_args(ddp_strategy) and name not in _DDP_MODULE_ARGS:
             raise ConfigurationError(
                 f"RaySGDStrategy got an unknown argument {name}={ddp_kwargs[name]!r}; extra "
                 "arguments go to DistributedDataParallel, which takes "

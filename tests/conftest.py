@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pkgutil
 
 import pytest
 import ray
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 from ray.util.placement_group import placement_group_table
 
+import ray_lightning_sgd
 from ray_lightning_sgd import _compat, pool
 from ray_lightning_sgd.worker_group import NAME_PREFIX
 
@@ -17,6 +19,22 @@ from ray_lightning_sgd.worker_group import NAME_PREFIX
 # them, which is enough to test how GPUs are assigned without running CUDA
 CLUSTER_CPUS = 2
 CLUSTER_FAKE_GPUS = max(2, torch.cuda.device_count())
+
+
+def our_deprecations_as_errors() -> str:
+    """A PYTHONWARNINGS value that turns deprecations raised by our modules into errors.
+
+    pyproject.toml does the same for the test process; this is for Ray's worker processes, where
+    the launcher's worker half runs. PYTHONWARNINGS names modules exactly, so each one is listed.
+    """
+    modules = [ray_lightning_sgd.__name__] + [
+        info.name
+        for info in pkgutil.walk_packages(
+            ray_lightning_sgd.__path__, f"{ray_lightning_sgd.__name__}."
+        )
+    ]
+    categories = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning")
+    return ",".join(f"error::{c}:{m}" for c in categories for m in modules)
 
 
 def start_local_ray() -> None:
@@ -28,6 +46,7 @@ def start_local_ray() -> None:
             num_gpus=CLUSTER_FAKE_GPUS,
             include_dashboard=False,
             log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONWARNINGS": our_deprecations_as_errors()}},
         )
 
 

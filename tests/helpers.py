@@ -21,8 +21,8 @@ def loader(n: int = 96, batch_size: int = 8, shuffle: bool = False) -> DataLoade
     return DataLoader(make_data(n), batch_size=batch_size, shuffle=shuffle)
 
 
-class TinyModel(pl.LightningModule):
-    """A two-layer classifier that logs its losses and an accuracy."""
+class TinyModelSteps:
+    """A two-layer classifier that logs its losses and an accuracy, for either namespace."""
 
     def __init__(self, fail_on_rank: int | None = None, fail_at_step: int = 1) -> None:
         super().__init__()
@@ -56,6 +56,10 @@ class TinyModel(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TinyModel(TinyModelSteps, pl.LightningModule):
+    """TinyModelSteps as a pytorch_lightning module."""
 
 
 def quiet_trainer_kwargs() -> dict:

@@ -5,10 +5,17 @@ When one of these fails after an upgrade, the message names the attribute that m
 
 from __future__ import annotations
 
+import importlib
+import inspect
+
+import pytest
 import ray._private.ray_constants as ray_constants
-from pytorch_lightning.strategies.launchers import launcher as lightning_launcher
 
 from ray_lightning_sgd import _compat
+from ray_lightning_sgd import lightning as rls_lightning
+from ray_lightning_sgd import pytorch_lightning as rls_pl
+
+NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
 
 
 def test_ray_loopback_constant_exists():
@@ -20,12 +27,42 @@ def test_ray_loopback_constant_exists():
     )
 
 
-def test_lightning_launcher_interface_exists():
-    assert hasattr(lightning_launcher, "_Launcher"), (
-        "pytorch_lightning.strategies.launchers.launcher._Launcher moved; update _compat.Launcher"
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_launcher_interface_exists(namespace):
+    module = importlib.import_module(f"{namespace}.strategies.launchers.launcher")
+    assert hasattr(module, "_Launcher"), (
+        f"{namespace}.strategies.launchers.launcher._Launcher moved; update "
+        "_compat.launcher_interface"
     )
-    abstract = set(getattr(_compat.Launcher, "__abstractmethods__", ()))
+    interface = _compat.launcher_interface(namespace)
+    abstract = set(getattr(interface, "__abstractmethods__", ()))
     assert abstract == {"launch", "kill", "is_interactive_compatible"}, (
-        f"Lightning's _Launcher now asks for {sorted(abstract)}; RayLauncher implements "
+        f"{namespace}'s _Launcher now asks for {sorted(abstract)}; RayLauncherBase implements "
         "launch, kill and is_interactive_compatible"
+    )
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_configure_launcher_hook_exists(namespace):
+    strategies = importlib.import_module(f"{namespace}.strategies")
+    hook = getattr(strategies.DDPStrategy, "_configure_launcher", None)
+    assert hook is not None, (
+        f"{namespace}.strategies.DDPStrategy._configure_launcher moved; update "
+        "_compat.ConfigureLauncher"
+    )
+    assert "_configure_launcher" in inspect.getsource(strategies.Strategy.__init__) or (
+        "_configure_launcher" in inspect.getsource(strategies.DDPStrategy)
+    ), f"{namespace} no longer calls Strategy._configure_launcher; update _compat.ConfigureLauncher"
+    assert isinstance(inspect.getattr_static(strategies.Strategy, "launcher"), property), (
+        f"{namespace}.strategies.Strategy.launcher is no longer a property over _launcher"
+    )
+
+
+@pytest.mark.parametrize("module", [rls_pl, rls_lightning], ids=NAMESPACES)
+def test_the_strategy_hands_lightning_its_launcher(module):
+    strategy = module.RaySGDStrategy(num_workers=2)
+    strategy._configure_launcher()
+    assert isinstance(strategy.launcher, module.RayLauncher), (
+        "Strategy.launcher no longer returns what _configure_launcher set in _launcher; "
+        "update _compat.ConfigureLauncher"
     )

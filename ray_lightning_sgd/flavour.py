@@ -1,0 +1,76 @@
+"""Lightning flavours: the two namespaces one implementation serves.
+
+Lightning ships the same classes twice: in the standalone ``pytorch_lightning`` package (with
+``lightning_fabric``) and inside the ``lightning`` package as ``lightning.pytorch`` (with
+``lightning.fabric``). The two are distinct classes, and a Trainer of one refuses a strategy of the
+other. The strategy, its launcher and its cluster environment are therefore written once, as mixins
+(:class:`~ray_lightning_sgd.strategy.RaySGDStrategyBase`, ...) that take every Lightning class they
+need from a :class:`Flavour`; :mod:`ray_lightning_sgd.pytorch_lightning` and
+:mod:`ray_lightning_sgd.lightning` each join the mixins with one namespace's bases in a few lines.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from packaging.version import Version
+
+from ray_lightning_sgd import _compat
+from ray_lightning_sgd.exceptions import ConfigurationError
+
+#: The Lightning releases this package is tested with (see the README's "Tested versions").
+MIN_LIGHTNING = Version("2.5")
+
+#: Each namespace's module, the distribution that installs it, and its fabric.
+NAMESPACES = {
+    "pytorch_lightning": ("pytorch-lightning", "lightning_fabric"),
+    "lightning.pytorch": ("lightning", "lightning.fabric"),
+}
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """The members of one Lightning namespace that the implementation uses."""
+
+    #: ``"pytorch_lightning"`` or ``"lightning.pytorch"``.
+    namespace: str
+    ddp_strategy: type
+    cpu_accelerator: type
+    cuda_accelerator: type
+    prediction_writer: type
+    cluster_environment: type
+    launcher_interface: type
+    rank_zero_only: Any
+
+    @classmethod
+    def load(cls, namespace: str) -> Flavour:
+        """Imports ``namespace`` and collects its members; refuses releases older than tested."""
+        distribution, fabric_name = NAMESPACES[namespace]
+        check_version(distribution)
+        pl = importlib.import_module(namespace)
+        fabric = importlib.import_module(fabric_name)
+        importlib.import_module(f"{fabric_name}.plugins.environments")
+        importlib.import_module(f"{namespace}.utilities.rank_zero")
+        return cls(
+            namespace=namespace,
+            ddp_strategy=pl.strategies.DDPStrategy,
+            cpu_accelerator=pl.accelerators.CPUAccelerator,
+            cuda_accelerator=pl.accelerators.CUDAAccelerator,
+            prediction_writer=pl.callbacks.BasePredictionWriter,
+            cluster_environment=fabric.plugins.environments.ClusterEnvironment,
+            launcher_interface=_compat.launcher_interface(namespace),
+            rank_zero_only=pl.utilities.rank_zero.rank_zero_only,
+        )
+
+
+def check_version(distribution: str) -> None:
+    """Raises if the installed ``distribution`` is older than the oldest release tested."""
+    version = Version(metadata.version(distribution))
+    if version < MIN_LIGHTNING:
+        raise ConfigurationError(
+            f"ray_lightning_sgd needs {distribution} >= {MIN_LIGHTNING}, found {version}; "
+            f"upgrade it: pip install '{distribution}>={MIN_LIGHTNING}'"
+        )

@@ -1,0 +1,52 @@
+"""RaySGDStrategy for ``pytorch_lightning`` (``import pytorch_lightning as pl``).
+
+.. code-block:: python
+
+    import pytorch_lightning as pl
+    from ray_lightning_sgd.pytorch_lightning import RaySGDStrategy
+
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=4))
+
+``from ray_lightning_sgd import RaySGDStrategy`` is this class too (where ``pytorch_lightning`` is
+installed). The classes here only join the implementation (see
+:mod:`ray_lightning_sgd.flavour`) with this namespace's Lightning bases.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ray_lightning_sgd.environment import RayEnvironmentBase
+from ray_lightning_sgd.flavour import Flavour
+from ray_lightning_sgd.launcher import RayLauncherBase
+from ray_lightning_sgd.strategy import RaySGDStrategyBase
+
+FLAVOUR = Flavour.load("pytorch_lightning")
+
+if TYPE_CHECKING:
+    # type-checked through the mixins; the Lightning bases come from the flavour at run time
+    _ClusterEnvironment = object
+    _Launcher = object
+    _DDPStrategy = object
+else:
+    _ClusterEnvironment = FLAVOUR.cluster_environment
+    _Launcher = FLAVOUR.launcher_interface
+    _DDPStrategy = FLAVOUR.ddp_strategy
+
+
+class RayEnvironment(RayEnvironmentBase, _ClusterEnvironment):
+    __doc__ = RayEnvironmentBase.__doc__
+
+
+class RayLauncher(RayLauncherBase, _Launcher):
+    __doc__ = RayLauncherBase.__doc__
+
+
+class RaySGDStrategy(RaySGDStrategyBase, _DDPStrategy):
+    __doc__ = RaySGDStrategyBase.__doc__
+    flavour = FLAVOUR
+    environment_class = RayEnvironment
+    launcher_class = RayLauncher
+
+
+__all__ = ["FLAVOUR", "RayEnvironment", "RayLauncher", "RaySGDStrategy"]
