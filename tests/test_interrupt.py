@@ -17,7 +17,7 @@ from tests.conftest import leftovers
 ROOT = Path(__file__).resolve().parents[1]
 
 DRIVER = """
-import sys, time
+import faulthandler, signal, sys, time
 import pytorch_lightning as pl
 from ray_lightning_sgd import RaySGDStrategy
 from tests.helpers import TinyModel, loader
@@ -32,6 +32,7 @@ class Slow(TinyModel):
         time.sleep(0.5)
         return super().training_step(batch, batch_idx)
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
 trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=100,
                      enable_progress_bar=False, logger=False, enable_checkpointing=False)
 try:
@@ -69,7 +70,14 @@ def test_sigint_on_the_driver_stops_every_worker(ray_cluster, tmp_path):
         assert leftovers()[0], "the workers run while the driver trains"
         driver.send_signal(signal.SIGINT)
         start = time.monotonic()
-        output, _ = driver.communicate(timeout=30)
+        try:
+            output, _ = driver.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            driver.send_signal(signal.SIGUSR1)  # every thread's stack, into the output
+            time.sleep(2)
+            driver.kill()
+            output, _ = driver.communicate()
+            raise AssertionError(f"the driver hung after SIGINT:\n{output[-6000:]}") from None
         assert driver.returncode == 1, output[-3000:]
         assert "Detected KeyboardInterrupt" in output
         assert "leftovers before exit ([], [])" in output, output[-3000:]
