@@ -88,12 +88,19 @@ class BackendExecutor:
         self._require_running()
         return self._worker_group.execute_async(fn, *args, **kwargs)
 
-    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
+    def run(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        watch: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> list[T]:
         """Driver side: runs ``fn`` on every worker and returns the results in rank order.
 
         The first failure on any worker is raised at once; the caller shuts the executor down.
+        ``watch`` is called about once a second while the workers run (see ``WorkerGroup.get``).
         """
-        return self._worker_group.get(self.run_async(fn, *args, **kwargs))
+        return self._worker_group.get(self.run_async(fn, *args, **kwargs), watch=watch)
 
     def is_alive(self, timeout_s: float) -> bool:
         """Driver side: whether every worker answers within ``timeout_s``."""

@@ -40,6 +40,7 @@ class Flavour:
     ddp_strategy: type
     cpu_accelerator: type
     cuda_accelerator: type
+    callback: type
     prediction_writer: type
     cluster_environment: type
     launcher_interface: type
@@ -59,6 +60,7 @@ class Flavour:
             ddp_strategy=pl.strategies.DDPStrategy,
             cpu_accelerator=pl.accelerators.CPUAccelerator,
             cuda_accelerator=pl.accelerators.CUDAAccelerator,
+            callback=pl.callbacks.Callback,
             prediction_writer=pl.callbacks.BasePredictionWriter,
             cluster_environment=fabric.plugins.environments.ClusterEnvironment,
             launcher_interface=_compat.launcher_interface(namespace),

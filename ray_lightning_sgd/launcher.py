@@ -13,6 +13,7 @@ assigned, run the entry point, and collect what goes back (:func:`_collect_resul
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import random
@@ -34,9 +35,17 @@ from typing_extensions import override
 from ray_lightning_sgd import _compat, cluster, pool
 from ray_lightning_sgd._serialization import Packed, pack, unpack
 from ray_lightning_sgd.environment import RayEnvironmentBase
-from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError
+from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError, WorkerDiedError
 from ray_lightning_sgd.executor import BackendExecutor
 from ray_lightning_sgd.flavour import Flavour
+from ray_lightning_sgd.monitor import (
+    FailureConfig,
+    ProgressReporterBase,
+    ResumeCheckpointBase,
+    ResumePoint,
+    RunMonitor,
+    materialise,
+)
 from ray_lightning_sgd.worker_group import get_worker_context
 
 if TYPE_CHECKING:
@@ -91,8 +100,36 @@ class RayLauncherBase(_Base):
         if trainer is not None:
             _check_trainer(trainer, strategy)
         cluster.connect()
+        failure = strategy.failure_config
+        fitting = trainer is not None and trainer.state.fn == _FITTING
+        global_state = _GlobalState.capture()
+        monitor = RunMonitor(failure.progress_timeout_s) if failure.monitored else None
+        try:
+            failures, resume = 0, None
+            while True:
+                payload = _Payload(
+                    trainer, function, args, kwargs, global_state, monitor, failure, resume
+                )
+                try:
+                    outputs = self._run_once(payload)
+                    break
+                except WorkerDiedError as err:
+                    failures += 1
+                    if monitor is None or not failure.may_restart(failures):
+                        raise
+                    resume = monitor.resume() if fitting else None
+                    _log_restart(err, failures, failure.max_failures, resume, fitting)
+        finally:
+            if monitor is not None:
+                monitor.shutdown()
+        if trainer is None:
+            return outputs[0].results
+        return _recover_results_in_driver(trainer, outputs)
+
+    def _run_once(self, payload: _Payload) -> list[_WorkerOutput]:
         # pickled here, so that what cannot be pickled fails before any worker starts
-        packed = _pack(_Payload(trainer, function, args, kwargs, _GlobalState.capture()))
+        packed = _pack(payload)
+        monitor = payload.monitor
         succeeded = False
         with ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put") as putter:
             # the copy into the object store overlaps the workers' start
@@ -100,14 +137,18 @@ class RayLauncherBase(_Base):
             del packed
             try:
                 executor = self._start_executor()
-                outputs = [unpack(out) for out in executor.run(_run_on_worker, shipped.result())]
+                watch = None
+                if monitor is not None:
+                    monitor.start_attempt(len(executor.worker_group))
+                    group = executor.worker_group
+                    watch = functools.partial(monitor.check, group.metadata)
+                results = executor.run(_run_on_worker, shipped.result(), watch=watch)
+                outputs = [unpack(out) for out in results]
                 succeeded = True
             finally:
                 del shipped
                 self._stop_executor(reuse=succeeded)
-        if trainer is None:
-            return outputs[0].results
-        return _recover_results_in_driver(trainer, outputs)
+        return outputs
 
     def _start_executor(self) -> BackendExecutor:
         strategy = self._strategy
@@ -151,6 +192,11 @@ class _Payload(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     global_state: _GlobalState
+    #: The run monitor's actor handle (restarts or a progress timeout), or None.
+    monitor: RunMonitor | None
+    failure: FailureConfig
+    #: Where a restarted ``fit`` resumes from.
+    resume: ResumePoint | None
 
 
 class _RankZeroResults(NamedTuple):
@@ -353,6 +399,9 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
     payload.global_state.restore()
     trainer = payload.trainer
     recorder = None
+    args, kwargs = payload.args, payload.kwargs
+    ours: list[Any] = []
+    resume_file = None
     if trainer is not None:
         strategy = trainer.strategy
         environment = getattr(strategy, "cluster_environment", None)
@@ -366,11 +415,62 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
         strategy.set_world_ranks()  # type: ignore[attr-defined]
         if trainer.state.fn == _PREDICTING:
             recorder = _batch_index_recorder(flavour)()
-            _callbacks(trainer).append(recorder)  # type: ignore[arg-type]
-    results = payload.function(*payload.args, **payload.kwargs)
+            ours.append(recorder)
+        if payload.monitor is not None:
+            actor = payload.monitor.actor
+            ours.append(_callback_class(flavour, ProgressReporterBase)(actor))
+            fitting = trainer.state.fn == _FITTING
+            if fitting and payload.failure.max_failures != 0:
+                failure = payload.failure
+                resume_callback = _callback_class(flavour, ResumeCheckpointBase)
+                every, storage = failure.checkpoint_every_n_epochs, failure.checkpoint_storage
+                ours.append(resume_callback(actor, every, storage))
+            if fitting and payload.resume is not None:
+                resume_file = materialise(payload.resume)
+                args, kwargs = _with_ckpt_path(payload.function, args, kwargs, resume_file)
+        _callbacks(trainer).extend(ours)
+    try:
+        results = payload.function(*args, **kwargs)
+    finally:
+        if resume_file is not None and payload.resume and payload.resume.uri is None:
+            os.unlink(resume_file)
     if trainer is None:
         return _WorkerOutput(results, None, None)
+    for callback in ours:
+        _callbacks(trainer).remove(callback)
     return _collect_results(trainer, results, context.rank.global_rank, recorder)
+
+
+@functools.cache
+def _callback_class(flavour: Flavour, base: type) -> type:
+    """``base`` as a Callback of the flavour's namespace."""
+    return type(base.__name__.removesuffix("Base"), (base, flavour.callback), {})
+
+
+def _with_ckpt_path(
+    function: Callable, args: tuple[Any, ...], kwargs: dict[str, Any], path: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Returns the entry point's arguments with ``ckpt_path`` set to ``path``."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.arguments["ckpt_path"] = path
+    return bound.args, bound.kwargs
+
+
+def _log_restart(
+    err: WorkerDiedError,
+    failures: int,
+    max_failures: int,
+    resume: ResumePoint | None,
+    fitting: bool,
+) -> None:
+    limit = "no limit" if max_failures == -1 else f"of max_failures={max_failures}"
+    if not fitting:
+        where = "running the call again"
+    elif resume is None:
+        where = "fit starts over: no resume checkpoint was written yet"
+    else:
+        where = f"fit resumes after epoch {resume.epoch} (global step {resume.global_step})"
+    log.warning("Restart %d (%s) after a worker failure: %s; %s", failures, limit, err, where)
 
 
 def _collect_results(
@@ -383,7 +483,6 @@ def _collect_results(
     model_state = _to_cpu(trainer.lightning_module.state_dict()) if fn == _FITTING else None
     predictions = None
     if recorder is not None:
-        _callbacks(trainer).remove(recorder)  # type: ignore[arg-type]
         if results is not None:
             outputs = _per_dataloader(results, trainer.predict_loop.num_dataloaders)
             indices = [recorder.indices.get(i, []) for i in range(len(outputs))]

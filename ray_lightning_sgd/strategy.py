@@ -27,6 +27,7 @@ from ray_lightning_sgd import _compat, pool
 from ray_lightning_sgd.environment import RayEnvironmentBase
 from ray_lightning_sgd.exceptions import ConfigurationError
 from ray_lightning_sgd.flavour import Flavour
+from ray_lightning_sgd.monitor import FailureConfig
 from ray_lightning_sgd.torch_backend import TorchConfig
 from ray_lightning_sgd.worker_group import WorkerGroupConfig
 
@@ -80,6 +81,15 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
             :meth:`shutdown_workers`, ``with RaySGDStrategy(...)``, or
             :func:`ray_lightning_sgd.shutdown_workers`; they also end at interpreter exit and with
             ``ray.shutdown()``. With False, every call starts and stops its own workers.
+        max_failures: Restart the whole group this many times after a worker died (its process
+            or node was lost; an exception in user code is never retried); -1 for no limit.
+            ``fit`` resumes from the latest resume checkpoint, which the strategy writes every
+            ``checkpoint_every_n_epochs`` epochs when restarts are on.
+        progress_timeout_s: Raise ``WorkerTimeoutError`` naming the rank when a rank makes no
+            progress (no batch, no stage) for this long: a deadlock or an endless loop.
+        checkpoint_every_n_epochs: Epochs between resume checkpoints.
+        checkpoint_storage: Where the resume checkpoint goes (a local path or fsspec URI that
+            every worker can reach); None sends its bytes to the driver's node.
         **ddp_kwargs: Passed to :class:`torch.nn.parallel.DistributedDataParallel`
             (``find_unused_parameters``, ``bucket_cap_mb``, ``static_graph``, ...) or to
             :class:`~pytorch_lightning.strategies.DDPStrategy` (``ddp_comm_hook``, ...).
@@ -104,8 +114,18 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
         worker_env: dict[str, str] | None = None,
         startup_timeout_s: float = 60,
         reuse_workers: bool = True,
+        max_failures: int = 0,
+        progress_timeout_s: float | None = None,
+        checkpoint_every_n_epochs: int = 1,
+        checkpoint_storage: str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
+        self._failure_config = FailureConfig(
+            max_failures=max_failures,
+            progress_timeout_s=progress_timeout_s,
+            checkpoint_every_n_epochs=checkpoint_every_n_epochs,
+            checkpoint_storage=checkpoint_storage,
+        )
         if not isinstance(reuse_workers, bool):
             raise ConfigurationError(f"reuse_workers must be True or False, got {reuse_workers!r}")
         backend_config = TorchConfig() if backend_config is None else backend_config
@@ -140,6 +160,11 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
     def backend_config(self) -> TorchConfig:
         """How the workers form their process group."""
         return self._backend_config
+
+    @property
+    def failure_config(self) -> FailureConfig:
+        """Restarts, progress timeout and resume checkpoints."""
+        return self._failure_config
 
     @property
     def reuse_workers(self) -> bool:

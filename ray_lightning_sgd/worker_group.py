@@ -50,6 +50,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: Prefix of the names of every actor and placement group this package creates.
 NAME_PREFIX = "ray_lightning_sgd"
 _SHUTDOWN_WAIT_S = 10.0
+_WATCH_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -317,13 +318,21 @@ class WorkerGroup:
         """Driver side: runs ``fn`` on the worker of global rank ``index`` and returns its result."""
         return self.get([self.execute_single_async(index, fn, *args, **kwargs)])[0]
 
-    def get(self, refs: Sequence[ray.ObjectRef], timeout_s: float | None = None) -> list[Any]:
+    def get(
+        self,
+        refs: Sequence[ray.ObjectRef],
+        timeout_s: float | None = None,
+        watch: Callable[[], None] | None = None,
+    ) -> list[Any]:
         """Driver side: waits for futures of this group's workers, failing as soon as one fails.
 
         An exception raised by user code is re-raised with its own type and a note naming the
-        rank; a worker that died raises :class:`WorkerDiedError`.
+        rank; a worker that died raises :class:`WorkerDiedError`. ``watch``, if given, is called
+        about once a second while nothing has finished; what it raises ends the wait.
         """
-        return self._get(refs, timeout_s=timeout_s, what="finish", metadata=self._metadata)
+        return self._get(
+            refs, timeout_s=timeout_s, what="finish", metadata=self._metadata, watch=watch
+        )
 
     def shutdown(self) -> None:
         """Driver side: kills every worker and frees the placement group. Never blocks for long."""
@@ -397,13 +406,18 @@ class WorkerGroup:
         timeout_s: float | None,
         what: str,
         metadata: Sequence[WorkerMetadata],
+        watch: Callable[[], None] | None = None,
     ) -> list[Any]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(
-                pending, num_returns=1, timeout=None if deadline is None else _remaining(deadline)
-            )
+            wait_s = None if deadline is None else _remaining(deadline)
+            if watch is not None:
+                wait_s = _WATCH_INTERVAL_S if wait_s is None else min(wait_s, _WATCH_INTERVAL_S)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            if not ready and watch is not None and (deadline is None or _remaining(deadline)):
+                watch()
+                continue
             if not ready:
                 raise WorkerTimeoutError(
                     f"the workers of {self._name} did not {what} within {timeout_s:.1f}s"

@@ -1,0 +1,206 @@
+"""Real failures: a worker's process exits or is killed, a rank stalls; restarts resume the run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import psutil
+import pytest
+import pytorch_lightning as pl
+import ray
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from ray_lightning_sgd import (
+    ConfigurationError,
+    RaySGDStrategy,
+    WorkerDiedError,
+    WorkerTimeoutError,
+)
+from tests.conftest import leftovers
+from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+
+
+class Faulty(TinyModel):
+    """Exits (os._exit) or stalls on one rank at one global step, once if ``marker`` is given."""
+
+    def __init__(self, rank: int, step: int, how: str = "exit", marker: str | None = None):
+        super().__init__()
+        self.fault = (rank, step, how, marker)
+
+    def training_step(self, batch, batch_idx):
+        rank, step, how, marker = self.fault
+        if self.global_rank == rank and self.global_step == step:
+            if marker is None or not os.path.exists(marker):
+                if marker is not None:
+                    open(marker, "w").close()
+                if how == "exit":
+                    os._exit(3)
+                time.sleep(3600)  # a rank that hangs; the others wait in the next allreduce
+        return super().training_step(batch, batch_idx)
+
+
+def _trainer(strategy, max_epochs=3, **kwargs):
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=max_epochs,
+        enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+        **kwargs,
+    )
+
+
+def _fit(model, strategy, **kwargs):
+    pl.seed_everything(0)
+    trainer = _trainer(strategy, **kwargs)
+    trainer.fit(model, loader(shuffle=True))
+    return trainer
+
+
+def test_a_worker_that_exits_fails_the_fit_within_seconds(ray_cluster):
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError) as caught:
+        _fit(Faulty(rank=1, step=3), RaySGDStrategy(num_workers=2))
+    assert time.monotonic() - start < 30  # start-up included; detection itself is below
+    err = caught.value
+    assert err.rank == 1 and len(err.node_id) > 8
+    assert "rank 1" in str(err) and "died" in str(err)
+    assert leftovers() == ([], [])
+
+
+def test_a_killed_actor_fails_the_fit_within_10_seconds(ray_cluster, tmp_path):
+    class Slow(TinyModel):
+        def training_step(self, batch, batch_idx):
+            time.sleep(0.2)
+            return super().training_step(batch, batch_idx)
+
+    killed_at: list[float] = []
+
+    def kill_rank_0() -> None:
+        while True:
+            names = [n for n in leftovers()[0] if n.endswith("-0") and "monitor" not in n]
+            if names:
+                break
+            time.sleep(0.2)
+        time.sleep(2)  # training is under way
+        actor = ray.get_actor(names[0], namespace=ray.get_runtime_context().namespace)
+        killed_at.append(time.monotonic())
+        ray.kill(actor, no_restart=True)
+
+    killer = threading.Thread(target=kill_rank_0, daemon=True)
+    killer.start()
+    with pytest.raises(WorkerDiedError) as caught:
+        _fit(Slow(), RaySGDStrategy(num_workers=2, reuse_workers=False), max_epochs=50)
+    assert time.monotonic() - killed_at[0] < 10
+    assert caught.value.rank == 0
+    assert leftovers() == ([], [])
+
+
+def test_a_stalled_rank_is_reported_by_the_progress_timeout(ray_cluster):
+    strategy = RaySGDStrategy(num_workers=2, progress_timeout_s=4)
+    started = time.monotonic()
+    with pytest.raises(WorkerTimeoutError, match=r"rank 1 \(node [0-9a-f]+.*silent for") as caught:
+        _fit(Faulty(rank=1, step=2, how="stall"), strategy)
+    assert time.monotonic() - started < 40
+    assert "progress_timeout_s=4" in str(caught.value)
+    assert leftovers() == ([], [])
+
+
+def test_without_max_failures_a_lost_worker_is_not_retried(ray_cluster, tmp_path):
+    marker = str(tmp_path / "failed-once")
+    with pytest.raises(WorkerDiedError):
+        _fit(Faulty(rank=1, step=8, marker=marker), RaySGDStrategy(num_workers=2))
+    assert os.path.exists(marker)
+
+
+def test_a_restart_resumes_and_ends_as_the_run_without_failure(ray_cluster, tmp_path, caplog):
+    reference = TinyModel()
+    expected = _fit(reference, RaySGDStrategy(num_workers=2))
+    marker = str(tmp_path / "failed-once")
+    model = Faulty(rank=1, step=8, marker=marker)  # 6 steps an epoch: in the second epoch
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        got = _fit(model, RaySGDStrategy(num_workers=2, max_failures=1))
+    assert os.path.exists(marker), "the failure was not injected"
+    assert "Restart 1 (of max_failures=1)" in caplog.text
+    assert "resumes after epoch 0 (global step 6)" in caplog.text
+    assert (got.global_step, got.current_epoch) == (expected.global_step, expected.current_epoch)
+    diff = max(
+        (model.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items()
+    )
+    assert diff <= 1e-6, f"resumed weights differ by {diff}"
+
+
+def test_restarts_stop_after_max_failures(ray_cluster, tmp_path):
+    # fails on every attempt: the first restart is allowed, the second failure is raised
+    with pytest.raises(WorkerDiedError):
+        _fit(Faulty(rank=0, step=1), RaySGDStrategy(num_workers=2, max_failures=1))
+
+
+def test_a_resume_checkpoint_in_storage(ray_cluster, tmp_path):
+    marker = str(tmp_path / "failed-once")
+    storage = tmp_path / "resume"
+    strategy = RaySGDStrategy(num_workers=2, max_failures=1, checkpoint_storage=str(storage))
+    trainer = _fit(Faulty(rank=0, step=8, marker=marker), strategy)
+    assert trainer.global_step == 18
+    assert (storage / "resume.ckpt").exists()
+
+
+def test_a_checkpoint_of_two_workers_resumes_on_one(ray_cluster, tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    pl.seed_everything(0)
+    first = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2),
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[checkpoint],
+        **quiet_trainer_kwargs(),
+    )
+    first.fit(TinyModel(), loader())
+    assert first.global_step == 6
+    second = _trainer(RaySGDStrategy(num_workers=1), max_epochs=2)
+    second.fit(TinyModel(), loader(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert second.current_epoch == 2
+    assert second.global_step == 6 + 12  # one worker takes every batch of the second epoch
+
+
+def test_repeated_calls_leave_nothing_behind(ray_cluster):
+    process = psutil.Process()
+    model = TinyModel()
+    trainer = _trainer(RaySGDStrategy(num_workers=2), max_epochs=1)
+    trainer.fit(model, loader())
+    fds, rss = process.num_fds(), process.memory_info().rss
+    for _ in range(5):
+        trainer = _trainer(RaySGDStrategy(num_workers=2), max_epochs=1)
+        trainer.fit(model, loader())
+        trainer.validate(model, loader(n=40), verbose=False)
+    actors, groups = leftovers()
+    assert len(actors) == 2 and len(groups) == 1, "only the one warm group may stay"
+    assert process.num_fds() - fds <= 5
+    assert process.memory_info().rss - rss < 100 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_failures": -2}, "max_failures must be an int >= 0, or -1"),
+        ({"max_failures": 1.5}, "max_failures must be an int"),
+        ({"progress_timeout_s": 0}, "progress_timeout_s must be a number of seconds > 0"),
+        ({"checkpoint_every_n_epochs": 0}, "checkpoint_every_n_epochs must be an int >= 1"),
+        ({"checkpoint_storage": ""}, "checkpoint_storage must be a path or fsspec URI"),
+    ],
+)
+def test_bad_failure_settings_fail_in_the_constructor(kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        RaySGDStrategy(num_workers=2, **kwargs)
+
+
+def test_weights_after_a_restart_are_on_the_driver(ray_cluster, tmp_path):
+    marker = str(tmp_path / "failed-once")
+    model = Faulty(rank=1, step=2, marker=marker)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _fit(model, RaySGDStrategy(num_workers=2, max_failures=-1), max_epochs=1)
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
