@@ -411,12 +411,14 @@ class WorkerGroup:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
-            wait_s = None if deadline is None else _remaining(deadline)
-            if watch is not None:
-                wait_s = _WATCH_INTERVAL_S if wait_s is None else min(wait_s, _WATCH_INTERVAL_S)
+            # bounded waits: a blocking ray.wait can hold off the driver's Ctrl-C handler
+            wait_s = _WATCH_INTERVAL_S
+            if deadline is not None:
+                wait_s = min(wait_s, _remaining(deadline))
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
-            if not ready and watch is not None and (deadline is None or _remaining(deadline)):
-                watch()
+            if not ready and (deadline is None or _remaining(deadline)):
+                if watch is not None:
+                    watch()
                 continue
             if not ready:
                 raise WorkerTimeoutError(
