@@ -33,6 +33,8 @@ class Slow(TinyModel):
         return super().training_step(batch, batch_idx)
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
+# a process started in the background inherits SIGINT ignored; a terminal's Ctrl-C is not
+signal.signal(signal.SIGINT, signal.default_int_handler)
 trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=100,
                      enable_progress_bar=False, logger=False, enable_checkpointing=False)
 try:
