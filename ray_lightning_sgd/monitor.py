@@ -109,7 +109,6 @@ class _Monitor:
     """Runs in its own actor on the driver's node. Holds the run's progress and checkpoint."""
 
     def __init__(self) -> None:
-        self._started = time.monotonic()
         self._progress: dict[int, tuple[float, str, int]] = {}
         self._resume: ResumePoint | None = None
 
