@@ -45,6 +45,8 @@ class Flavour:
     cluster_environment: type
     launcher_interface: type
     rank_zero_only: Any
+    #: What Lightning raises on a process that got SIGTERM (a ``SystemExit``).
+    sigterm_exception: type[BaseException]
 
     @classmethod
     def load(cls, namespace: str) -> Flavour:
@@ -55,6 +57,7 @@ class Flavour:
         fabric = importlib.import_module(fabric_name)
         importlib.import_module(f"{fabric_name}.plugins.environments")
         importlib.import_module(f"{namespace}.utilities.rank_zero")
+        exceptions = importlib.import_module(f"{namespace}.utilities.exceptions")
         return cls(
             namespace=namespace,
             ddp_strategy=pl.strategies.DDPStrategy,
@@ -65,6 +68,7 @@ class Flavour:
             cluster_environment=fabric.plugins.environments.ClusterEnvironment,
             launcher_interface=_compat.launcher_interface(namespace),
             rank_zero_only=pl.utilities.rank_zero.rank_zero_only,
+            sigterm_exception=exceptions.SIGTERMException,
         )
 
 

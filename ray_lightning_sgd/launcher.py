@@ -12,13 +12,16 @@ assigned, run the entry point, and collect what goes back (:func:`_collect_resul
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import os
 import random
+import signal
+import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -104,24 +107,25 @@ class RayLauncherBase(_Base):
         fitting = trainer is not None and trainer.state.fn == _FITTING
         global_state = _GlobalState.capture()
         monitor = RunMonitor(failure.progress_timeout_s) if failure.monitored else None
-        try:
-            failures, resume = 0, None
-            while True:
-                payload = _Payload(
-                    trainer, function, args, kwargs, global_state, monitor, failure, resume
-                )
-                try:
-                    outputs = self._run_once(payload)
-                    break
-                except WorkerDiedError as err:
-                    failures += 1
-                    if monitor is None or not failure.may_restart(failures):
-                        raise
-                    resume = monitor.resume() if fitting else None
-                    _log_restart(err, failures, failure.max_failures, resume, fitting)
-        finally:
-            if monitor is not None:
-                monitor.shutdown()
+        with _sigterm_raises(strategy.flavour.sigterm_exception):
+            try:
+                failures, resume = 0, None
+                while True:
+                    payload = _Payload(
+                        trainer, function, args, kwargs, global_state, monitor, failure, resume
+                    )
+                    try:
+                        outputs = self._run_once(payload)
+                        break
+                    except WorkerDiedError as err:
+                        failures += 1
+                        if monitor is None or not failure.may_restart(failures):
+                            raise
+                        resume = monitor.resume() if fitting else None
+                        _log_restart(err, failures, failure.max_failures, resume, fitting)
+            finally:
+                if monitor is not None:
+                    monitor.shutdown()
         if trainer is None:
             return outputs[0].results
         return _recover_results_in_driver(trainer, outputs)
@@ -182,6 +186,43 @@ class RayLauncherBase(_Base):
         state = self.__dict__.copy()
         state["_executor"] = None  # the driver's handles stay on the driver
         return state
+
+
+@contextlib.contextmanager
+def _sigterm_raises(exception: type[BaseException]) -> Iterator[None]:
+    """Driver side: SIGTERM during a launch raises ``exception`` (Lightning's SIGTERMException),
+    so that the launch stops its workers on the way out, as Ctrl-C does.
+
+    Without it, the default action would end the driver at once and leave the workers to Ray's
+    clean-up of a dead driver. A handler the user installed runs first (not the one ``ray.init``
+    installs, which only exits: the exception does that after the clean-up); an ignored SIGTERM
+    stays ignored. Only the main thread can install handlers; elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN or previous is None:
+        yield
+        return
+
+    chained = previous if callable(previous) and not _from_ray(previous) else None
+
+    def handler(signum: int, frame: Any) -> None:
+        log.info("Received SIGTERM on the driver: stopping the workers")
+        if chained is not None:
+            chained(signum, frame)
+        raise exception()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _from_ray(handler: Callable[..., Any]) -> bool:
+    return getattr(handler, "__module__", "").split(".")[0] == "ray"
 
 
 class _Payload(NamedTuple):

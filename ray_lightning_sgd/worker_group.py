@@ -51,6 +51,10 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 NAME_PREFIX = "ray_lightning_sgd"
 _SHUTDOWN_WAIT_S = 10.0
 _WATCH_INTERVAL_S = 1.0
+# how long an error of a collective (gloo/NCCL lost its peer) waits for Ray to name the dead peer
+_PEER_LOSS_GRACE_S = 5.0
+# words of the errors torch.distributed raises on a rank whose peer vanished
+_PEER_LOSS_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
 @dataclass(frozen=True)
@@ -428,11 +432,46 @@ class WorkerGroup:
                 try:
                     ray.get(ref)
                 except RayError as err:
-                    raise _translate(err, metadata) from _chain(err)
+                    error, cause = _translate(err, metadata, _actor_of(ref)), _chain(err)
+                    if pending and _may_follow_a_lost_peer(error):
+                        error, cause = _blame_a_lost_peer(pending, metadata, error, cause)
+                    raise error from cause
         try:
             return ray.get(list(refs))
         except GetTimeoutError as err:  # pragma: no cover - every ref is ready here
             raise WorkerGroupError(f"results of {self._name} vanished") from err
+
+
+def _may_follow_a_lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` looks like a collective that failed because another rank vanished."""
+    if isinstance(error, WorkerGroupError):
+        return False
+    if type(error).__name__ in ("DistBackendError", "DistNetworkError"):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(m in text for m in _PEER_LOSS_MARKERS)
+
+
+def _blame_a_lost_peer(
+    pending: list[ray.ObjectRef],
+    metadata: Sequence[WorkerMetadata],
+    error: BaseException,
+    cause: BaseException | None,
+) -> tuple[BaseException, BaseException | None]:
+    """A rank saw its peer vanish before Ray reported the peer dead (a lost node shows up in the
+    survivors' sockets first): waits briefly for the death, which is the error worth raising."""
+    deadline = time.monotonic() + _PEER_LOSS_GRACE_S
+    while pending and _remaining(deadline):
+        ready, pending = ray.wait(pending, num_returns=1, timeout=min(1.0, _remaining(deadline)))
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError as err:
+                died = _translate(err, metadata, _actor_of(ref))
+                if isinstance(died, WorkerDiedError):
+                    died.add_note(f"Another rank failed first, as it lost its peer: {error!r}")
+                    return died, _chain(err)
+    return error, cause
 
 
 def _remaining(deadline: float) -> float:
@@ -445,8 +484,20 @@ def _where(meta: WorkerMetadata | None, rank: int | None) -> str:
     return f"rank {rank} (node {meta.node_id[:12]}, {meta.node_ip}, pid {meta.pid})"
 
 
-def _translate(err: RayError, metadata: Sequence[WorkerMetadata]) -> BaseException:
-    """Turns a Ray error from a worker into the exception the driver raises."""
+def _actor_of(ref: ray.ObjectRef) -> str:
+    """The id of the actor whose task returns ``ref`` ("" for a plain object)."""
+    try:
+        return ref.task_id().actor_id().hex()
+    except Exception:  # noqa: BLE001 - an id Ray cannot take apart names no actor
+        return ""
+
+
+def _translate(err: RayError, metadata: Sequence[WorkerMetadata], actor_id: str) -> BaseException:
+    """Turns a Ray error from a worker into the exception the driver raises.
+
+    ``actor_id`` is the actor whose result failed; it names the rank when Ray's error does not
+    (a lost object, a system error).
+    """
     if isinstance(err, RayTaskError):
         # the worker has already noted its rank and traceback on the exception
         cause = err.cause
@@ -456,15 +507,17 @@ def _translate(err: RayError, metadata: Sequence[WorkerMetadata]) -> BaseExcepti
             err = cause
         else:
             return WorkerGroupError(f"a call on a worker failed: {err}")
-    if isinstance(err, RayActorError):
-        index = next((i for i, m in enumerate(metadata) if m.actor_id == err.actor_id), None)
-        meta = metadata[index] if index is not None else None
-        return WorkerDiedError(
-            f"the worker of {_where(meta, index)} died: {err}",
-            rank=-1 if index is None else index,
-            node_id="" if meta is None else meta.node_id,
-        )
-    return WorkerDiedError(f"a worker failed: {err}", rank=-1, node_id="")
+    died = isinstance(err, RayActorError)
+    if isinstance(err, RayActorError) and err.actor_id:
+        actor_id = err.actor_id
+    index = next((i for i, m in enumerate(metadata) if m.actor_id == actor_id), None)
+    meta = metadata[index] if index is not None else None
+    what = "died" if died else "was lost"
+    return WorkerDiedError(
+        f"the worker of {_where(meta, index)} {what}: {err}",
+        rank=-1 if index is None else index,
+        node_id="" if meta is None else meta.node_id,
+    )
 
 
 def _chain(err: RayError) -> BaseException | None:

@@ -13,6 +13,7 @@ import ray
 from ray_lightning_sgd import (
     ConfigurationError,
     ResourcesUnavailableError,
+    WorkerDiedError,
     WorkerGroup,
     WorkerGroupConfig,
     WorkerGroupError,
@@ -100,6 +101,30 @@ def test_a_failing_rank_reaches_the_driver_at_once(ray_cluster):
         note = "\n".join(info.value.__notes__)
         assert "Raised on rank 1" in note
         assert "_boom" in note, "the worker's traceback is attached"
+    finally:
+        group.shutdown()
+
+
+def test_a_lost_result_names_the_rank_that_made_it(ray_cluster):
+    # Ray's errors for a lost object (its node left before the driver fetched it) name no actor;
+    # the rank comes from the task that made the object
+    from ray.exceptions import ObjectLostError
+
+    from ray_lightning_sgd.worker_group import _actor_of, _translate
+
+    group = WorkerGroup(WorkerGroupConfig(num_workers=2))
+    group.start()
+    try:
+        ref = group.execute_single_async(1, _env, "PATH")
+        err = _translate(ObjectLostError(ref.hex(), "", ""), group.metadata, _actor_of(ref))
+        assert isinstance(err, WorkerDiedError) and err.rank == 1
+        assert "rank 1 " in str(err) and "was lost" in str(err)
+        assert err.node_id == group.metadata[1].node_id
+        plain = ray.put(1)
+        assert (
+            _translate(ObjectLostError(plain.hex(), "", ""), group.metadata, _actor_of(plain)).rank
+            == -1
+        )
     finally:
         group.shutdown()
 

@@ -1,0 +1,87 @@
+"""A node leaves a multi-node ray.cluster_utils.Cluster while a rank on it trains."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import ray
+from ray.cluster_utils import Cluster
+
+from ray_lightning_sgd import RaySGDStrategy, WorkerDiedError
+from tests.conftest import leftovers
+from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+
+
+@pytest.fixture
+def head_and_worker_node():
+    ray.shutdown()  # this test removes a node: it needs a cluster of its own
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    worker_node = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster, worker_node
+    ray.shutdown()
+    cluster.shutdown()
+
+
+class NodeReporter(TinyModel):
+    """Writes each rank's node id to a folder, then trains slowly enough to be caught mid-fit."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def on_train_start(self) -> None:
+        node = ray.get_runtime_context().get_node_id()
+        Path(self.folder, f"rank-{self.global_rank}").write_text(node)
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.1)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("graceful", [False, True], ids=["node-killed", "node-drained"])
+def test_losing_a_node_fails_the_fit_within_10_seconds(head_and_worker_node, tmp_path, graceful):
+    cluster, worker_node = head_and_worker_node
+    removed_at: list[float] = []
+
+    def remove_the_worker_node() -> None:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)  # both ranks are in the training loop
+        removed_at.append(time.monotonic())
+        cluster.remove_node(worker_node, allow_graceful=graceful)
+
+    remover = threading.Thread(target=remove_the_worker_node, daemon=True)
+    remover.start()
+    strategy = RaySGDStrategy(
+        num_workers=2, placement_strategy="STRICT_SPREAD", reuse_workers=False
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=100,
+        enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )
+    with pytest.raises(WorkerDiedError) as caught:
+        trainer.fit(NodeReporter(str(tmp_path)), loader())
+    took = time.monotonic() - removed_at[0]
+    remover.join()
+    assert took < 10, f"the driver took {took:.1f}s to report the lost node"
+    lost_rank = next(
+        int(p.name.split("-")[1])
+        for p in tmp_path.glob("rank-*")
+        if p.read_text() == worker_node.node_id
+    )
+    err = caught.value
+    assert err.rank == lost_rank, str(err)
+    assert err.node_id == worker_node.node_id
+    assert f"rank {lost_rank}" in str(err)
+    assert leftovers() == ([], [])
+    assert trainer.interrupted
