@@ -9,7 +9,8 @@
 ``ray_lightning_sgd.pytorch_lightning.RaySGDStrategy`` for ``pytorch_lightning.Trainer`` and
 ``ray_lightning_sgd.lightning.RaySGDStrategy`` for ``lightning.pytorch.Trainer``;
 ``ray_lightning_sgd.RaySGDStrategy`` is the first where ``pytorch_lightning`` is installed, else the
-second. Lightning is imported only when one of them is first used.
+second. Lightning is imported only when one of them is first used. Importing this package also
+registers ``Trainer(strategy="ray_sgd")`` in both namespaces (:mod:`ray_lightning_sgd.registry`).
 
 ``WorkerGroup``, ``Backend``, ``BackendConfig``, ``TorchBackend`` and ``BackendExecutor`` are public
 for people who build other backends.
@@ -21,6 +22,7 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from ray_lightning_sgd import registry as _registry
 from ray_lightning_sgd.backend import Backend, BackendConfig
 from ray_lightning_sgd.exceptions import (
     ConfigurationError,
@@ -72,6 +74,8 @@ def _default_flavour() -> ModuleType:
             "'ray_lightning_sgd[lightning]'"
         ) from err
 
+
+_registry.install()
 
 __version__ = "0.1.0"
 

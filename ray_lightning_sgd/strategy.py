@@ -133,7 +133,7 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
             raise ConfigurationError(
                 f"backend_config must be a TorchConfig, got {type(backend_config).__name__}"
             )
-        _check_ddp_kwargs(ddp_kwargs, self.flavour.ddp_strategy)
+        ddp_kwargs = _check_ddp_kwargs(ddp_kwargs, self.flavour.ddp_strategy)
         self._worker_group_config = WorkerGroupConfig(
             num_workers=num_workers,
             resources_per_worker=_resources(num_cpus_per_worker, use_gpu, resources_per_worker),
@@ -270,7 +270,34 @@ def _ddp_strategy_args(ddp_strategy: type) -> frozenset[str]:
     return frozenset(inspect.signature(init).parameters) - {"self", "kwargs"}
 
 
-def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], ddp_strategy: type) -> None:
+def _defaults(function: Callable[..., Any]) -> dict[str, Any]:
+    return {
+        name: p.default
+        for name, p in inspect.signature(function).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+
+
+def _is_default(value: Any, name: str, defaults: Mapping[str, Any]) -> bool:
+    if name not in defaults:
+        return False
+    default = defaults[name]
+    return value is default or (type(value) is type(default) and bool(value == default))
+
+
+def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], ddp_strategy: type) -> dict[str, Any]:
+    """Returns the DDP arguments that change something; raises for those the strategy owns.
+
+    An argument given with its default value is dropped: LightningCLI passes every argument it
+    finds behind ``**ddp_kwargs`` (DDPStrategy's and DistributedDataParallel's) with its default.
+    """
+    defaults = {
+        **_defaults(DistributedDataParallel.__init__),
+        **_defaults(vars(ddp_strategy)["__init__"]),
+    }
+    ddp_kwargs = {
+        name: value for name, value in ddp_kwargs.items() if not _is_default(value, name, defaults)
+    }
     for name in ddp_kwargs:
         if name in _OWNED_DDP_ARGS:
             raise ConfigurationError(
@@ -282,3 +309,4 @@ def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], ddp_strategy: type) -> None
                 "arguments go to DistributedDataParallel, which takes "
                 f"{', '.join(sorted(_DDP_MODULE_ARGS))}"
             )
+    return ddp_kwargs

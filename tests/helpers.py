@@ -112,3 +112,17 @@ class PidModel(TinyModel):
     def _log_pid(self) -> None:
         # logged outside a step: callback_metrics on the driver then hold rank 0's pid
         self.trainer.callback_metrics["pid"] = torch.tensor(float(os.getpid()))
+
+
+class TinyData(pl.LightningDataModule):
+    """make_data as a DataModule (what LightningCLI builds from a config)."""
+
+    def __init__(self, n: int = 96, batch_size: int = 8) -> None:
+        super().__init__()
+        self.n, self.batch_size = n, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return loader(self.n, self.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return loader(self.n // 2, self.batch_size)
