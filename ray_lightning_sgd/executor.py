@@ -93,14 +93,17 @@ class BackendExecutor:
         fn: Callable[..., T],
         *args: Any,
         watch: Callable[[], None] | None = None,
+        watch_interval_s: float = 1.0,
         **kwargs: Any,
     ) -> list[T]:
         """Driver side: runs ``fn`` on every worker and returns the results in rank order.
 
         The first failure on any worker is raised at once; the caller shuts the executor down.
-        ``watch`` is called about once a second while the workers run (see ``WorkerGroup.get``).
+        ``watch`` is called every ``watch_interval_s`` while the workers run (see
+        ``WorkerGroup.get``).
         """
-        return self._worker_group.get(self.run_async(fn, *args, **kwargs), watch=watch)
+        refs = self.run_async(fn, *args, **kwargs)
+        return self._worker_group.get(refs, watch=watch, watch_interval_s=watch_interval_s)
 
     def is_alive(self, timeout_s: float) -> bool:
         """Driver side: whether every worker answers within ``timeout_s``."""

@@ -42,6 +42,7 @@ class Flavour:
     cuda_accelerator: type
     callback: type
     prediction_writer: type
+    progress_bar: type
     cluster_environment: type
     launcher_interface: type
     rank_zero_only: Any
@@ -65,6 +66,7 @@ class Flavour:
             cuda_accelerator=pl.accelerators.CUDAAccelerator,
             callback=pl.callbacks.Callback,
             prediction_writer=pl.callbacks.BasePredictionWriter,
+            progress_bar=pl.callbacks.ProgressBar,
             cluster_environment=fabric.plugins.environments.ClusterEnvironment,
             launcher_interface=_compat.launcher_interface(namespace),
             rank_zero_only=pl.utilities.rank_zero.rank_zero_only,

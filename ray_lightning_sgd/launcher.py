@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from ray_lightning_sgd import _compat, cluster, pool
 from ray_lightning_sgd._serialization import Packed, pack, unpack
+from ray_lightning_sgd.driver_view import PUMP_INTERVAL_S, DriverReplay, EventForwarderBase
 from ray_lightning_sgd.environment import RayEnvironmentBase
 from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError, WorkerDiedError
 from ray_lightning_sgd.executor import BackendExecutor
@@ -106,23 +107,35 @@ class RayLauncherBase(_Base):
         failure = strategy.failure_config
         fitting = trainer is not None and trainer.state.fn == _FITTING
         global_state = _GlobalState.capture()
-        monitor = RunMonitor(failure.progress_timeout_s) if failure.monitored else None
+        callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
+        needs_monitor = failure.monitored or bool(callbacks)
+        monitor = RunMonitor(failure.progress_timeout_s) if needs_monitor else None
+        replay = None
+        if monitor is not None and callbacks:
+            assert trainer is not None
+            replay = DriverReplay(trainer, callbacks, monitor.actor)
         with _sigterm_raises(strategy.flavour.sigterm_exception):
             try:
                 failures, resume = 0, None
                 while True:
                     payload = _Payload(
-                        trainer, function, args, kwargs, global_state, monitor, failure, resume
-                    )
+                        trainer, function, args, kwargs, global_state, monitor, failure, resume,
+                        forward_events=replay is not None,
+                    )  # fmt: skip
                     try:
-                        outputs = self._run_once(payload)
+                        outputs = self._run_once(payload, replay)
                         break
                     except WorkerDiedError as err:
                         failures += 1
-                        if monitor is None or not failure.may_restart(failures):
+                        if not failure.monitored or not failure.may_restart(failures):
                             raise
+                        assert monitor is not None
                         resume = monitor.resume() if fitting else None
                         _log_restart(err, failures, failure.max_failures, resume, fitting)
+            except BaseException as err:
+                if replay is not None:
+                    replay.fail(err)
+                raise
             finally:
                 if monitor is not None:
                     monitor.shutdown()
@@ -130,7 +143,7 @@ class RayLauncherBase(_Base):
             return outputs[0].results
         return _recover_results_in_driver(trainer, outputs)
 
-    def _run_once(self, payload: _Payload) -> list[_WorkerOutput]:
+    def _run_once(self, payload: _Payload, replay: DriverReplay | None) -> list[_WorkerOutput]:
         # pickled here, so that what cannot be pickled fails before any worker starts
         packed = _pack(payload)
         monitor = payload.monitor
@@ -145,8 +158,13 @@ class RayLauncherBase(_Base):
                 if monitor is not None:
                     monitor.start_attempt(len(executor.worker_group))
                     group = executor.worker_group
-                    watch = functools.partial(monitor.check, group.metadata)
-                results = executor.run(_run_on_worker, shipped.result(), watch=watch)
+                    watch = functools.partial(_watch, monitor, group.metadata, replay)
+                interval = PUMP_INTERVAL_S if replay is not None else 1.0
+                results = executor.run(
+                    _run_on_worker, shipped.result(), watch=watch, watch_interval_s=interval
+                )
+                if replay is not None:
+                    replay.pump()  # the last events: rank 0 sent them before it returned
                 outputs = [unpack(out) for out in results]
                 succeeded = True
             finally:
@@ -186,6 +204,20 @@ class RayLauncherBase(_Base):
         state = self.__dict__.copy()
         state["_executor"] = None  # the driver's handles stay on the driver
         return state
+
+
+def _watch(monitor: RunMonitor, metadata: list[Any], replay: DriverReplay | None) -> None:
+    """Driver side, while the workers run: live events to the driver's callbacks, and stalls."""
+    if replay is not None:
+        replay.pump()
+    monitor.check(metadata)
+
+
+def _driver_callbacks(trainer: pl.Trainer, strategy: RaySGDStrategyBase) -> list[Callback]:
+    """Driver side: the callbacks that run on the driver: the Trainer's progress bar (the workers
+    run none) and the strategy's ``driver_callbacks``."""
+    bar = trainer.progress_bar_callback
+    return ([] if bar is None else [bar]) + list(strategy.driver_callbacks)
 
 
 @contextlib.contextmanager
@@ -233,11 +265,13 @@ class _Payload(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     global_state: _GlobalState
-    #: The run monitor's actor handle (restarts or a progress timeout), or None.
+    #: The run monitor (restarts, a progress timeout, or events for the driver), or None.
     monitor: RunMonitor | None
     failure: FailureConfig
     #: Where a restarted ``fit`` resumes from.
     resume: ResumePoint | None
+    #: Whether rank 0 sends its callback events to the driver (through the monitor).
+    forward_events: bool = False
 
 
 class _RankZeroResults(NamedTuple):
@@ -457,7 +491,11 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
         if trainer.state.fn == _PREDICTING:
             recorder = _batch_index_recorder(flavour)()
             ours.append(recorder)
-        if payload.monitor is not None:
+        for bar in [cb for cb in _callbacks(trainer) if isinstance(cb, flavour.progress_bar)]:
+            _callbacks(trainer).remove(bar)  # the driver shows rank 0's progress instead
+        if payload.monitor is not None and payload.forward_events and context.rank.global_rank == 0:
+            ours.append(_callback_class(flavour, EventForwarderBase)(payload.monitor.actor))
+        if payload.monitor is not None and payload.failure.monitored:
             actor = payload.monitor.actor
             ours.append(_callback_class(flavour, ProgressReporterBase)(actor))
             fitting = trainer.state.fn == _FITTING
@@ -472,6 +510,11 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
         _callbacks(trainer).extend(ours)
     try:
         results = payload.function(*args, **kwargs)
+    except BaseException:
+        for callback in ours:
+            if isinstance(callback, EventForwarderBase) and trainer is not None:
+                callback.send_now(trainer)  # the driver's view gets the steps before the error
+        raise
     finally:
         if resume_file is not None and payload.resume and payload.resume.uri is None:
             os.unlink(resume_file)

@@ -111,6 +111,7 @@ class _Monitor:
     def __init__(self) -> None:
         self._progress: dict[int, tuple[float, str, int]] = {}
         self._resume: ResumePoint | None = None
+        self._events: list[Any] = []
 
     def restart_clock(self, world_size: int) -> None:
         now = time.monotonic()
@@ -127,6 +128,14 @@ class _Monitor:
             for rank, (last, stage, step) in self._progress.items()
             if now - last > timeout_s
         )
+
+    def add_events(self, events: list[Any]) -> None:
+        """Rank 0's callback events, for the driver (see :mod:`ray_lightning_sgd.driver_view`)."""
+        self._events.extend(events)
+
+    def take_events(self) -> list[Any]:
+        events, self._events = self._events, []
+        return events
 
     def set_resume(self, point: ResumePoint) -> None:
         self._resume = point

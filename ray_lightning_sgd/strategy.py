@@ -90,6 +90,11 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
         checkpoint_every_n_epochs: Epochs between resume checkpoints.
         checkpoint_storage: Where the resume checkpoint goes (a local path or fsspec URI that
             every worker can reach); None sends its bytes to the driver's node.
+        driver_callbacks: Callbacks that run on the driver while the workers train, called with
+            rank 0's live events: setup and teardown, each stage's and epoch's start and end,
+            and each batch (``outputs`` and ``batch`` are None; ``trainer`` shows rank 0's
+            epoch, step, batch counts and latest metrics). The Trainer's progress bar runs the
+            same way; callbacks given to the Trainer run on the workers, as in Lightning's DDP.
         **ddp_kwargs: Passed to :class:`torch.nn.parallel.DistributedDataParallel`
             (``find_unused_parameters``, ``bucket_cap_mb``, ``static_graph``, ...) or to
             :class:`~pytorch_lightning.strategies.DDPStrategy` (``ddp_comm_hook``, ...).
@@ -118,6 +123,7 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
         progress_timeout_s: float | None = None,
         checkpoint_every_n_epochs: int = 1,
         checkpoint_storage: str | None = None,
+        driver_callbacks: list[Any] | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         self._failure_config = FailureConfig(
@@ -126,6 +132,13 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
             checkpoint_every_n_epochs=checkpoint_every_n_epochs,
             checkpoint_storage=checkpoint_storage,
         )
+        self._driver_callbacks = list(driver_callbacks or [])
+        for callback in self._driver_callbacks:
+            if not isinstance(callback, self.flavour.callback):
+                raise ConfigurationError(
+                    f"driver_callbacks takes {self.flavour.namespace} Callbacks, got "
+                    f"{callback!r}; subclass {self.flavour.namespace}.callbacks.Callback"
+                )
         if not isinstance(reuse_workers, bool):
             raise ConfigurationError(f"reuse_workers must be True or False, got {reuse_workers!r}")
         backend_config = TorchConfig() if backend_config is None else backend_config
@@ -165,6 +178,17 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
     def failure_config(self) -> FailureConfig:
         """Restarts, progress timeout and resume checkpoints."""
         return self._failure_config
+
+    @property
+    def driver_callbacks(self) -> list[Any]:
+        """Callbacks that run on the driver, on rank 0's live events."""
+        return self._driver_callbacks
+
+    def __getstate__(self) -> dict[str, Any]:
+        # driver callbacks stay on the driver (they may hold a terminal, a widget, a socket)
+        state = super().__getstate__()
+        state["_driver_callbacks"] = []
+        return state
 
     @property
     def reuse_workers(self) -> bool:

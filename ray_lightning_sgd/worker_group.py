@@ -327,15 +327,21 @@ class WorkerGroup:
         refs: Sequence[ray.ObjectRef],
         timeout_s: float | None = None,
         watch: Callable[[], None] | None = None,
+        watch_interval_s: float = _WATCH_INTERVAL_S,
     ) -> list[Any]:
         """Driver side: waits for futures of this group's workers, failing as soon as one fails.
 
         An exception raised by user code is re-raised with its own type and a note naming the
         rank; a worker that died raises :class:`WorkerDiedError`. ``watch``, if given, is called
-        about once a second while nothing has finished; what it raises ends the wait.
+        every ``watch_interval_s`` while nothing has finished; what it raises ends the wait.
         """
         return self._get(
-            refs, timeout_s=timeout_s, what="finish", metadata=self._metadata, watch=watch
+            refs,
+            timeout_s=timeout_s,
+            what="finish",
+            metadata=self._metadata,
+            watch=watch,
+            watch_interval_s=watch_interval_s,
         )
 
     def shutdown(self) -> None:
@@ -411,12 +417,13 @@ class WorkerGroup:
         what: str,
         metadata: Sequence[WorkerMetadata],
         watch: Callable[[], None] | None = None,
+        watch_interval_s: float = _WATCH_INTERVAL_S,
     ) -> list[Any]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
             # bounded waits: a blocking ray.wait can hold off the driver's Ctrl-C handler
-            wait_s = _WATCH_INTERVAL_S
+            wait_s = watch_interval_s
             if deadline is not None:
                 wait_s = min(wait_s, _remaining(deadline))
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)

@@ -1,0 +1,375 @@
+"""The driver's view of a run: rank 0's callback events, replayed into callbacks on the driver.
+
+Rank 0 runs :class:`EventForwarderBase`, a callback that notes each hook Lightning calls (setup,
+the start and end of every stage and epoch, every batch) with the few counters a progress bar
+reads, and sends them to the run monitor in small batches: every :data:`FLUSH_INTERVAL_S` and at
+every stage or epoch boundary. Only the last event of a batch carries the metrics (progress bar,
+callback and logged metrics), so the step loop pays for no extra device syncs.
+
+On the driver, :class:`DriverReplay` takes the events while it waits for the workers and calls the
+same hooks on the driver's callbacks: the Trainer's own progress bar (which the workers do not
+run) and the strategy's ``driver_callbacks``. Their ``trainer`` argument is a :class:`TrainerView`:
+rank 0's latest state over the driver's Trainer (whose settings it passes through). Batch hooks
+get ``outputs=None`` and ``batch=None``: those stay on the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import ray
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+#: How often rank 0 sends its events at most, between stage and epoch boundaries (seconds).
+FLUSH_INTERVAL_S = 0.2
+#: How often the driver looks for events while the workers run (seconds).
+PUMP_INTERVAL_S = 0.1
+_MONITOR_CALL_S = 30.0
+
+#: One event: the hook's name, its index arguments, rank 0's counters, and (on the last event of
+#: each batch) its metrics.
+Event = tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any] | None]
+
+
+def _state(trainer: pl.Trainer) -> dict[str, Any]:
+    state = trainer.state
+    fitting = state.fn is not None and state.fn.value == "fit"
+    return {
+        "fn": None if state.fn is None else state.fn.value,
+        "stage": None if state.stage is None else state.stage.value,
+        "status": state.status.value,
+        "current_epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "num_training_batches": trainer.num_training_batches,
+        "num_val_batches": list(trainer.num_val_batches),
+        "num_sanity_val_batches": list(trainer.num_sanity_val_batches),
+        "num_test_batches": list(trainer.num_test_batches),
+        "num_predict_batches": list(trainer.num_predict_batches),
+        # private, but only on the worker: the TQDM bar's total asks it
+        "should_check_val_epoch": fitting and trainer.fit_loop.epoch_loop._should_check_val_epoch(),
+        "should_stop": trainer.should_stop,
+    }
+
+
+def _metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    loggers = trainer.loggers
+    return {
+        "progress_bar": dict(trainer.progress_bar_metrics),
+        "callback": _to_cpu(dict(trainer.callback_metrics)),
+        "logged": _to_cpu(dict(trainer.logged_metrics)),
+        "logger_version": loggers[0].version if loggers else None,
+    }
+
+
+def _to_cpu(data: Any) -> Any:
+    return apply_to_collection(data, Tensor, lambda t: t.detach().cpu())
+
+
+class EventForwarderBase:
+    """Runs on rank 0. A callback that sends every hook's event to the run monitor."""
+
+    def __init__(self, monitor: Any) -> None:
+        super().__init__()
+        self._monitor = monitor
+        self._pending: list[Event] = []
+        self._last_flush = 0.0
+
+    def _event(self, trainer: pl.Trainer, hook: str, *args: Any, boundary: bool = False) -> None:
+        self._pending.append((hook, args, _state(trainer), None))
+        if boundary or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
+            self._flush(trainer)
+
+    def _flush(self, trainer: pl.Trainer, wait: bool = False) -> None:
+        if not self._pending:
+            return
+        hook, args, state, _ = self._pending[-1]
+        self._pending[-1] = (hook, args, state, _metrics(trainer))
+        events, self._pending = self._pending, []
+        self._last_flush = time.monotonic()
+        sent = self._monitor.add_events.remote(events)
+        if wait:
+            # the run's last events reach the monitor before rank 0's result reaches the driver
+            ray.get(sent, timeout=_MONITOR_CALL_S)
+
+    def send_now(self, trainer: pl.Trainer) -> None:
+        """Sends what is pending and waits for it (the run is failing); never raises."""
+        try:
+            self._flush(trainer, wait=True)
+        except Exception:
+            log.debug("Could not send the last events", exc_info=True)
+
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        self._event(trainer, "setup", stage, boundary=True)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        self._pending.append(("teardown", (stage,), _state(trainer), None))
+        self._flush(trainer, wait=True)
+
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_sanity_check_start", boundary=True)
+
+    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_sanity_check_end", boundary=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_train_start", boundary=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_train_end", boundary=True)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_train_epoch_start", boundary=True)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_train_epoch_end", boundary=True)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._event(trainer, "on_train_batch_start", batch_idx)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._event(trainer, "on_train_batch_end", batch_idx)
+
+    # validation, test and predict have the same hooks; each is spelled out, as Lightning calls
+    # only the hooks a callback's class defines
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_validation_start", boundary=True)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_validation_end", boundary=True)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_validation_epoch_start", boundary=True)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_validation_epoch_end", boundary=True)
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_validation_batch_start", batch_idx, dataloader_idx)
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_validation_batch_end", batch_idx, dataloader_idx)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_test_start", boundary=True)
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_test_end", boundary=True)
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_test_epoch_start", boundary=True)
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_test_epoch_end", boundary=True)
+
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_test_batch_start", batch_idx, dataloader_idx)
+
+    def on_test_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_test_batch_end", batch_idx, dataloader_idx)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_predict_start", boundary=True)
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_predict_end", boundary=True)
+
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_predict_epoch_start", boundary=True)
+
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_predict_epoch_end", boundary=True)
+
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_predict_batch_start", batch_idx, dataloader_idx)
+
+    def on_predict_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_predict_batch_end", batch_idx, dataloader_idx)
+
+
+class _Versioned:
+    """A driver logger whose ``version`` is the one rank 0's logger used."""
+
+    def __init__(self, logger: Any, version: Any) -> None:
+        self._logger = logger
+        self.version = version
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
+class TrainerView:
+    """What a driver callback gets as ``trainer``: rank 0's latest state over the driver's Trainer.
+
+    Counters (epoch, step, batch counts, stage) and metrics come from rank 0's events; everything
+    else (``max_epochs``, ``callbacks``, ``lightning_module``, ...) is the driver Trainer's own.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._trainer = trainer
+        # the enums of the Trainer's namespace
+        states = sys.modules[type(trainer.state.status).__module__]
+        self._enums = (states.TrainerStatus, states.TrainerFn, states.RunningStage)
+        state = trainer.state
+        self._counters: dict[str, Any] = {
+            "fn": None if state.fn is None else state.fn.value,
+            "stage": None if state.stage is None else state.stage.value,
+            "status": state.status.value,
+            "current_epoch": 0,
+            "global_step": 0,
+            "num_training_batches": float("inf"),
+            "num_val_batches": [],
+            "num_sanity_val_batches": [],
+            "num_test_batches": [],
+            "num_predict_batches": [],
+            "should_check_val_epoch": False,
+            "should_stop": False,
+        }
+        self.progress_bar_metrics: dict[str, Any] = {}
+        self.callback_metrics: dict[str, Any] = {}
+        self.logged_metrics: dict[str, Any] = {}
+        self._logger_version: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
+
+    def update(self, counters: dict[str, Any], metrics: dict[str, Any] | None) -> None:
+        self._counters = counters
+        if metrics is not None:
+            self.progress_bar_metrics = metrics["progress_bar"]
+            self.callback_metrics = metrics["callback"]
+            self.logged_metrics = metrics["logged"]
+            self._logger_version = metrics["logger_version"]
+
+    @property
+    def state(self) -> Any:
+        status, fn, stage = self._enums
+        counters = self._counters
+        return SimpleNamespace(
+            status=status(counters["status"]),
+            fn=None if counters["fn"] is None else fn(counters["fn"]),
+            stage=None if counters["stage"] is None else stage(counters["stage"]),
+        )
+
+    def _stage_is(self, value: str) -> bool:
+        return self._counters["stage"] == value
+
+    sanity_checking = property(lambda self: self._stage_is("sanity_check"))
+    training = property(lambda self: self._stage_is("train"))
+    validating = property(lambda self: self._stage_is("validate"))
+    testing = property(lambda self: self._stage_is("test"))
+    predicting = property(lambda self: self._stage_is("predict"))
+    current_epoch = property(lambda self: self._counters["current_epoch"])
+    global_step = property(lambda self: self._counters["global_step"])
+    num_training_batches = property(lambda self: self._counters["num_training_batches"])
+    num_val_batches = property(lambda self: self._counters["num_val_batches"])
+    num_sanity_val_batches = property(lambda self: self._counters["num_sanity_val_batches"])
+    num_test_batches = property(lambda self: self._counters["num_test_batches"])
+    num_predict_batches = property(lambda self: self._counters["num_predict_batches"])
+    should_stop = property(lambda self: self._counters["should_stop"])
+    is_global_zero = True
+    global_rank = 0
+    local_rank = 0
+    node_rank = 0
+
+    @property
+    def fit_loop(self) -> Any:
+        should_check = self._counters["should_check_val_epoch"]
+        epoch_loop = SimpleNamespace(_should_check_val_epoch=lambda: should_check)
+        return SimpleNamespace(epoch_loop=epoch_loop)
+
+    @property
+    def loggers(self) -> list[Any]:
+        loggers = self._trainer.loggers
+        if not loggers or self._logger_version is None:
+            return loggers
+        return [_Versioned(loggers[0], self._logger_version), *loggers[1:]]
+
+    @property
+    def logger(self) -> Any:
+        loggers = self.loggers
+        return loggers[0] if loggers else None
+
+
+class DriverReplay:
+    """Driver side: replays rank 0's events into the driver's callbacks.
+
+    Args:
+        trainer: The driver's Trainer.
+        callbacks: The callbacks to call (the progress bar, the strategy's driver callbacks).
+        monitor: The run monitor's actor, where rank 0 sends its events.
+    """
+
+    def __init__(self, trainer: pl.Trainer, callbacks: list[Callback], monitor: Any) -> None:
+        self._trainer = trainer
+        self._callbacks = list(callbacks)
+        self._monitor = monitor
+        self.view = TrainerView(trainer)
+
+    def pump(self) -> None:
+        """Driver side: replays the events that arrived since the last call."""
+        if not self._callbacks:
+            return
+        events = ray.get(self._monitor.take_events.remote(), timeout=_MONITOR_CALL_S)
+        for hook, args, counters, metrics in events:
+            self.view.update(counters, metrics)
+            for callback in list(self._callbacks):
+                self._call(callback, hook, args)
+
+    def fail(self, error: BaseException) -> None:
+        """Driver side: the call failed; replays what arrived, then each ``on_exception``."""
+        try:
+            self.pump()
+        except Exception:
+            log.debug("Could not fetch rank 0's last events", exc_info=True)
+        for callback in list(self._callbacks):
+            self._call(callback, "on_exception", (error,))
+
+    def _call(self, callback: Callback, hook: str, args: tuple[Any, ...]) -> None:
+        module = self._trainer.lightning_module
+        if hook.endswith("_batch_start"):
+            args = (None, *args)  # batch
+        elif hook.endswith("_batch_end"):
+            args = (None, None, *args)  # outputs, batch
+        try:
+            getattr(callback, hook)(self.view, module, *args)
+        except Exception:
+            log.warning(
+                "The driver callback %s failed in %s and is off for the rest of this call",
+                type(callback).__name__,
+                hook,
+                exc_info=True,
+            )
+            self._callbacks.remove(callback)

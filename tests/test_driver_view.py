@@ -1,0 +1,157 @@
+"""The driver's view: one live progress bar on the driver, and driver callbacks on rank 0's events."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback, RichProgressBar, TQDMProgressBar
+
+from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
+from tests.helpers import TinyModel, loader
+
+
+class BarProbe(TinyModel):
+    """Notes on every rank whether the worker's Trainer runs a progress bar of its own."""
+
+    def __init__(self, folder: str, fail_at_step: int | None = None) -> None:
+        super().__init__()
+        self.folder = folder
+        self.fail_at = fail_at_step
+
+    def on_train_start(self) -> None:
+        bar = self.trainer.progress_bar_callback
+        Path(self.folder, f"rank-{self.global_rank}").write_text(type(bar).__name__)
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_at is not None and self.global_step == self.fail_at:
+            raise ValueError("a failure on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+class Recorder(Callback):
+    """A driver callback that keeps what it saw."""
+
+    def __init__(self) -> None:
+        self.hooks: list[str] = []
+        self.batches: list[tuple[int, int, int]] = []
+        self.epoch_metrics: list[dict[str, float]] = []
+        self.errors: list[BaseException] = []
+
+    def setup(self, trainer, pl_module, stage):
+        self.hooks.append(f"setup:{getattr(stage, 'value', stage)}")
+
+    def teardown(self, trainer, pl_module, stage):
+        self.hooks.append(f"teardown:{getattr(stage, 'value', stage)}")
+
+    def on_train_start(self, trainer, pl_module):
+        self.hooks.append("train_start")
+
+    def on_validation_end(self, trainer, pl_module):
+        self.hooks.append("sanity" if trainer.sanity_checking else "validation_end")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        assert outputs is None and batch is None  # those stay on the workers
+        self.batches.append((trainer.current_epoch, batch_idx, trainer.global_step))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epoch_metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.errors.append(exception)
+
+
+def _fit(tmp_path, strategy, callbacks=(), enable_progress_bar=True, model=None, epochs=2):
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=enable_progress_bar,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(model or BarProbe(str(tmp_path)), loader(), loader(48))
+    return trainer
+
+
+def _worker_bars(tmp_path) -> list[str]:
+    return [p.read_text() for p in sorted(tmp_path.glob("rank-*"))]
+
+
+def test_the_tqdm_bar_runs_on_the_driver_only(ray_cluster, tmp_path, capfd):
+    trainer = _fit(tmp_path, RaySGDStrategy(num_workers=2), [TQDMProgressBar()])
+    captured = capfd.readouterr()
+    err = captured.out + captured.err
+    # 96 samples, batches of 8, two workers: 6 batches per epoch; 48 validation samples: 3
+    assert "Epoch 1: 100%" in err and "6/6" in err, err[-2000:]
+    assert "train_loss=" in err
+    assert "Validation DataLoader 0" in err
+    assert "Sanity Checking" in err
+    assert _worker_bars(tmp_path) == ["NoneType", "NoneType"], "the workers run no bar"
+    assert trainer.global_step == 12
+
+
+def test_the_rich_bar_runs_on_the_driver(ray_cluster, tmp_path, capfd):
+    _fit(tmp_path, RaySGDStrategy(num_workers=2), [RichProgressBar()])
+    out = capfd.readouterr().out
+    assert "Epoch 1/1" in out and "6/6" in out, out[-2000:]
+    assert "train_loss" in out
+    assert _worker_bars(tmp_path) == ["NoneType", "NoneType"]
+
+
+def test_driver_callbacks_see_every_batch_and_the_metrics(ray_cluster, tmp_path, capfd):
+    recorder = Recorder()
+    trainer = _fit(tmp_path, RaySGDStrategy(num_workers=2, driver_callbacks=[recorder]), epochs=2)
+    assert recorder.batches == [(e, i, 6 * e + i + 1) for e in range(2) for i in range(6)]
+    assert recorder.hooks == [
+        "setup:fit",
+        "sanity",
+        "train_start",
+        "validation_end",
+        "validation_end",
+        "teardown:fit",
+    ]
+    # the last epoch's metrics, live on the driver, equal what fit brought back
+    final = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert recorder.epoch_metrics[-1] == pytest.approx(final)
+    assert set(final) >= {"train_loss", "val_loss", "val_acc"}
+    assert recorder.errors == []
+
+
+def test_without_a_bar_nothing_is_shown(ray_cluster, tmp_path, capfd):
+    _fit(tmp_path, RaySGDStrategy(num_workers=2), enable_progress_bar=False, epochs=1)
+    captured = capfd.readouterr()
+    assert "Epoch 0" not in captured.err + captured.out
+
+
+def test_a_failing_driver_callback_does_not_stop_training(ray_cluster, tmp_path, caplog):
+    class Broken(Callback):
+        def on_train_batch_end(self, *args):
+            raise RuntimeError("display broke")
+
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd.driver_view"):
+        trainer = _fit(tmp_path, RaySGDStrategy(num_workers=2, driver_callbacks=[Broken()]))
+    assert trainer.global_step == 12
+    assert "Broken failed in on_train_batch_end" in caplog.text
+
+
+def test_driver_callbacks_hear_of_a_failure(ray_cluster, tmp_path):
+    recorder = Recorder()
+    with pytest.raises(ValueError, match="on purpose"):
+        _fit(
+            tmp_path,
+            RaySGDStrategy(num_workers=2, driver_callbacks=[recorder]),
+            model=BarProbe(str(tmp_path), fail_at_step=3),
+        )
+    assert len(recorder.errors) == 1 and isinstance(recorder.errors[0], ValueError)
+    assert recorder.batches[-1][2] <= 3
+
+
+def test_driver_callbacks_must_be_callbacks():
+    with pytest.raises(ConfigurationError, match="driver_callbacks takes pytorch_lightning"):
+        RaySGDStrategy(driver_callbacks=[print])
