@@ -230,6 +230,10 @@ class _Versioned:
         return getattr(self._logger, name)
 
 
+def _same(trainer: Any) -> Any:
+    return trainer
+
+
 class TrainerView:
     """What a driver callback gets as ``trainer``: rank 0's latest state over the driver's Trainer.
 
@@ -263,7 +267,13 @@ class TrainerView:
         self._logger_version: Any = None
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_trainer", "_counters", "_enums"):
+            raise AttributeError(name)  # not set yet (while unpickling, for one)
         return getattr(self._trainer, name)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # a callback that kept its view (a progress bar does) travels with the Trainer itself
+        return (_same, (self._trainer,))
 
     def update(self, counters: dict[str, Any], metrics: dict[str, Any] | None) -> None:
         self._counters = counters

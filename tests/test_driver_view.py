@@ -155,3 +155,12 @@ def test_driver_callbacks_hear_of_a_failure(ray_cluster, tmp_path):
 def test_driver_callbacks_must_be_callbacks():
     with pytest.raises(ConfigurationError, match="driver_callbacks takes pytorch_lightning"):
         RaySGDStrategy(driver_callbacks=[print])
+
+
+def test_a_second_call_after_fit_ships_the_bar_without_its_view(ray_cluster, tmp_path, capfd):
+    trainer = _fit(tmp_path, RaySGDStrategy(num_workers=2), [TQDMProgressBar()], epochs=1)
+    # the bar kept the driver's view of the fit as its trainer; validate sends the bar along
+    results = trainer.validate(trainer.lightning_module, loader(48))
+    assert results and "val_loss" in results[0]
+    captured = capfd.readouterr()
+    assert "Validation DataLoader 0: 100%" in captured.out + captured.err
