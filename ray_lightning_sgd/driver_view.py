@@ -15,8 +15,10 @@ get ``outputs=None`` and ``batch=None``: those stay on the workers.
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
+import threading
 import time
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -334,7 +336,7 @@ class TrainerView:
 
 
 class DriverReplay:
-    """Driver side: replays rank 0's events into the driver's callbacks.
+    """Driver side: replays rank 0's events into the driver's callbacks; prints worker output.
 
     Args:
         trainer: The driver's Trainer.
@@ -347,12 +349,14 @@ class DriverReplay:
         self._callbacks = list(callbacks)
         self._monitor = monitor
         self.view = TrainerView(trainer)
+        self._printer = OutputPrinter()
 
     def pump(self) -> None:
-        """Driver side: replays the events that arrived since the last call."""
-        if not self._callbacks:
-            return
-        events = ray.get(self._monitor.take_events.remote(), timeout=_MONITOR_CALL_S)
+        """Driver side: prints the workers' output and replays the events that arrived since the
+        last call."""
+        events, output = ray.get(self._monitor.take.remote(), timeout=_MONITOR_CALL_S)
+        for rank, lines in output:
+            self._printer.write(rank, lines)
         for hook, args, counters, metrics in events:
             self.view.update(counters, metrics)
             for callback in list(self._callbacks):
@@ -383,3 +387,138 @@ class DriverReplay:
                 exc_info=True,
             )
             self._callbacks.remove(callback)
+
+
+class _LineStream(io.TextIOBase):
+    """A worker's ``sys.stdout`` or ``sys.stderr`` during a call: keeps whole lines for the driver."""
+
+    def __init__(self, forwarder: OutputForwarder, name: str, original: Any) -> None:
+        super().__init__()
+        self._forwarder = forwarder
+        self._name = name
+        self._original = original
+        self._partial = ""
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return int(self._original.fileno())  # what writes to the descriptor goes Ray's way
+
+    def write(self, text: str) -> int:
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        if lines:
+            self._forwarder.add(self._name, lines)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        if self._partial:
+            self._forwarder.add(self._name, [self._partial])
+            self._partial = ""
+
+
+class OutputForwarder:
+    """Runs on each worker during a call: what Python writes to stdout and stderr (prints,
+    ``logging``, warnings) goes to the driver through the run monitor, tagged with the rank,
+    instead of through Ray's log forwarding (which tags it with a process id)."""
+
+    def __init__(self, monitor: Any, rank: int) -> None:
+        self._monitor = monitor
+        self._rank = rank
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, str]] = []
+        self._stop = threading.Event()
+        self._sender = threading.Thread(
+            target=self._send_every_interval, name="ray_lightning_sgd-output", daemon=True
+        )
+        self._saved: tuple[Any, Any] | None = None
+        self._handlers: list[tuple[logging.StreamHandler, Any]] = []
+        self._streams: list[_LineStream] = []
+
+    def add(self, stream: str, lines: list[str]) -> None:
+        with self._lock:
+            self._pending.extend((stream, line) for line in lines)
+
+    def _send(self, wait: bool = False) -> None:
+        with self._lock:
+            lines, self._pending = self._pending, []
+        if lines:
+            sent = self._monitor.add_output.remote(self._rank, lines)
+            if wait:
+                ray.get(sent, timeout=_MONITOR_CALL_S)
+
+    def _send_every_interval(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL_S):
+            self._send()
+
+    def __enter__(self) -> OutputForwarder:
+        out, err = sys.stdout, sys.stderr
+        self._saved = (out, err)
+        new_out, new_err = _LineStream(self, "stdout", out), _LineStream(self, "stderr", err)
+        self._streams = [new_out, new_err]
+        # logging handlers hold the stream they were made with: point those at ours too
+        for handler in _stream_handlers():
+            if handler.stream is out or handler.stream is err:
+                old = handler.setStream(new_out if handler.stream is out else new_err)
+                self._handlers.append((handler, old))
+        sys.stdout, sys.stderr = new_out, new_err
+        self._sender.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._saved is not None
+        sys.stdout, sys.stderr = self._saved
+        for handler, old in self._handlers:
+            handler.setStream(old)
+        for stream in self._streams:
+            stream.finish()
+        self._stop.set()
+        self._sender.join()
+        try:
+            self._send(wait=True)
+        except Exception:
+            log.debug("Could not send the last output lines", exc_info=True)
+
+
+def _stream_handlers() -> list[logging.StreamHandler]:
+    loggers: list[Any] = [logging.getLogger()]
+    loggers += [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    return [
+        h
+        for lg in loggers
+        for h in lg.handlers
+        if type(h) is logging.StreamHandler
+        or (isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler))
+    ]
+
+
+class OutputPrinter:
+    """Driver side: prints the workers' lines, each tagged ``[rank R]``; a line that several ranks
+    print alike (a warning every rank emits) is printed once."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], dict[int, int]] = {}
+
+    def write(self, rank: int, lines: list[tuple[str, str]]) -> None:
+        for stream, line in lines:
+            counts = self._counts.setdefault((stream, line), {})
+            seen_elsewhere = max((n for r, n in counts.items() if r != rank), default=0)
+            counts[rank] = counts.get(rank, 0) + 1
+            if counts[rank] > seen_elsewhere:
+                target = sys.stdout if stream == "stdout" else sys.stderr
+                target.write(f"[rank {rank}] {line}\n")
+        sys.stdout.flush()
+        sys.stderr.flush()

@@ -37,7 +37,12 @@ from typing_extensions import override
 
 from ray_lightning_sgd import _compat, cluster, pool
 from ray_lightning_sgd._serialization import Packed, pack, unpack
-from ray_lightning_sgd.driver_view import PUMP_INTERVAL_S, DriverReplay, EventForwarderBase
+from ray_lightning_sgd.driver_view import (
+    PUMP_INTERVAL_S,
+    DriverReplay,
+    EventForwarderBase,
+    OutputForwarder,
+)
 from ray_lightning_sgd.environment import RayEnvironmentBase
 from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError, WorkerDiedError
 from ray_lightning_sgd.executor import BackendExecutor
@@ -108,11 +113,12 @@ class RayLauncherBase(_Base):
         fitting = trainer is not None and trainer.state.fn == _FITTING
         global_state = _GlobalState.capture()
         callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
-        needs_monitor = failure.monitored or bool(callbacks)
+        # a Trainer's call always has a monitor: the workers' output and rank 0's events reach the
+        # driver through it
+        needs_monitor = failure.monitored or trainer is not None
         monitor = RunMonitor(failure.progress_timeout_s) if needs_monitor else None
         replay = None
-        if monitor is not None and callbacks:
-            assert trainer is not None
+        if monitor is not None and trainer is not None:
             replay = DriverReplay(trainer, callbacks, monitor.actor)
         with _sigterm_raises(strategy.flavour.sigterm_exception):
             try:
@@ -120,7 +126,8 @@ class RayLauncherBase(_Base):
                 while True:
                     payload = _Payload(
                         trainer, function, args, kwargs, global_state, monitor, failure, resume,
-                        forward_events=replay is not None,
+                        forward_events=replay is not None and bool(callbacks),
+                        forward_output=replay is not None,
                     )  # fmt: skip
                     try:
                         outputs = self._run_once(payload, replay)
@@ -272,6 +279,8 @@ class _Payload(NamedTuple):
     resume: ResumePoint | None
     #: Whether rank 0 sends its callback events to the driver (through the monitor).
     forward_events: bool = False
+    #: Whether the workers send what Python prints to the driver (through the monitor).
+    forward_output: bool = False
 
 
 class _RankZeroResults(NamedTuple):
@@ -508,8 +517,12 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
                 resume_file = materialise(payload.resume)
                 args, kwargs = _with_ckpt_path(payload.function, args, kwargs, resume_file)
         _callbacks(trainer).extend(ours)
+    output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if payload.monitor is not None and payload.forward_output:
+        output = OutputForwarder(payload.monitor.actor, context.rank.global_rank)
     try:
-        results = payload.function(*args, **kwargs)
+        with output:
+            results = payload.function(*args, **kwargs)
     except BaseException:
         for callback in ours:
             if isinstance(callback, EventForwarderBase) and trainer is not None:

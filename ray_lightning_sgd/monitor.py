@@ -112,6 +112,7 @@ class _Monitor:
         self._progress: dict[int, tuple[float, str, int]] = {}
         self._resume: ResumePoint | None = None
         self._events: list[Any] = []
+        self._output: list[tuple[int, list[tuple[str, str]]]] = []
 
     def restart_clock(self, world_size: int) -> None:
         now = time.monotonic()
@@ -133,9 +134,15 @@ class _Monitor:
         """Rank 0's callback events, for the driver (see :mod:`ray_lightning_sgd.driver_view`)."""
         self._events.extend(events)
 
-    def take_events(self) -> list[Any]:
+    def add_output(self, rank: int, lines: list[tuple[str, str]]) -> None:
+        """A worker's output lines (stream, text), for the driver to print."""
+        self._output.append((rank, lines))
+
+    def take(self) -> tuple[list[Any], list[tuple[int, list[tuple[str, str]]]]]:
+        """The events and output lines that arrived since the last call."""
         events, self._events = self._events, []
-        return events
+        output, self._output = self._output, []
+        return events, output
 
     def set_resume(self, point: ResumePoint) -> None:
         self._resume = point

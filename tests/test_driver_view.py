@@ -164,3 +164,43 @@ def test_a_second_call_after_fit_ships_the_bar_without_its_view(ray_cluster, tmp
     assert results and "val_loss" in results[0]
     captured = capfd.readouterr()
     assert "Validation DataLoader 0: 100%" in captured.out + captured.err
+
+
+# made when a worker imports this module to unpickle Chatty: before the call, holding the
+# original stderr, as the handlers of a user's logging set-up do
+_USER_LOG = logging.getLogger("user.code")
+_USER_LOG.addHandler(logging.StreamHandler())
+_USER_LOG.propagate = False
+
+
+class Chatty(TinyModel):
+    """Prints, logs and warns on every rank."""
+
+    def on_train_start(self) -> None:
+        import warnings
+
+        print(f"hello from rank {self.global_rank}")
+        _USER_LOG.warning("a log record of rank %d", self.global_rank)
+        warnings.warn("the same warning on every rank", UserWarning, stacklevel=1)
+
+
+def test_worker_output_reaches_the_driver_tagged_with_the_rank(ray_cluster, capfd):
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2),
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(Chatty(), loader())
+    captured = capfd.readouterr()
+    assert "[rank 0] hello from rank 0\n" in captured.out
+    assert "[rank 1] hello from rank 1\n" in captured.out
+    assert "[rank 0] a log record of rank 0" in captured.err
+    assert "[rank 1] a log record of rank 1" in captured.err
+    # the warning is the same text on both ranks: once
+    assert captured.err.count("UserWarning: the same warning on every rank") == 1, captured.err
+    assert "pid=" not in captured.out + captured.err
