@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from lightning_utilities.core.apply_func import apply_to_collection
+from ray import cloudpickle
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -42,6 +43,33 @@ _MONITOR_CALL_S = 30.0
 #: One event: the hook's name, its index arguments, rank 0's counters, and (on the last event of
 #: each batch) its metrics.
 Event = tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any] | None]
+
+
+#: The hook name of an event that asks the driver to run a function (:func:`send_to_driver`).
+_CALL = "__call__"
+#: The run monitor's actor of the call a worker is running, while it runs one.
+_channel: Any = None
+
+
+def open_channel(monitor: Any) -> None:
+    """Runs on each worker. Lets :func:`send_to_driver` reach the driver during the call."""
+    global _channel
+    _channel = monitor
+
+
+def close_channel() -> None:
+    global _channel
+    _channel = None
+
+
+def send_to_driver(function: Any, *args: Any) -> None:
+    """Runs on a worker, during a call: runs ``function(*args)`` on the driver, in order with the
+    call's events (within about 0.1 s; ``function`` must be importable there). Waits until the
+    monitor holds the request; what ``function`` raises on the driver fails the call."""
+    if _channel is None:
+        raise RuntimeError("send_to_driver works on the workers of a RaySGDStrategy call only")
+    event: Event = (_CALL, (function, args), {}, None)
+    ray.get(_channel.add_events.remote(cloudpickle.dumps([event])), timeout=_MONITOR_CALL_S)
 
 
 def _state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -99,7 +127,7 @@ class EventForwarderBase:
         self._pending[-1] = (hook, args, state, _metrics(trainer))
         events, self._pending = self._pending, []
         self._last_flush = time.monotonic()
-        sent = self._monitor.add_events.remote(events)
+        sent = self._monitor.add_events.remote(cloudpickle.dumps(events))
         if wait:
             # the run's last events reach the monitor before rank 0's result reaches the driver
             ray.get(sent, timeout=_MONITOR_CALL_S)
@@ -354,10 +382,15 @@ class DriverReplay:
     def pump(self) -> None:
         """Driver side: prints the workers' output and replays the events that arrived since the
         last call."""
-        events, output = ray.get(self._monitor.take.remote(), timeout=_MONITOR_CALL_S)
+        blobs, output = ray.get(self._monitor.take.remote(), timeout=_MONITOR_CALL_S)
         for rank, lines in output:
             self._printer.write(rank, lines)
+        events: list[Event] = [event for blob in blobs for event in cloudpickle.loads(blob)]
         for hook, args, counters, metrics in events:
+            if hook == _CALL:
+                function, call_args = args
+                function(*call_args)  # what it raises ends the wait for the workers
+                continue
             self.view.update(counters, metrics)
             for callback in list(self._callbacks):
                 self._call(callback, hook, args)

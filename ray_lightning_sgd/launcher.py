@@ -42,6 +42,8 @@ from ray_lightning_sgd.driver_view import (
     DriverReplay,
     EventForwarderBase,
     OutputForwarder,
+    close_channel,
+    open_channel,
 )
 from ray_lightning_sgd.environment import RayEnvironmentBase
 from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError, WorkerDiedError
@@ -116,7 +118,13 @@ class RayLauncherBase(_Base):
         # a Trainer's call always has a monitor: the workers' output and rank 0's events reach the
         # driver through it
         needs_monitor = failure.monitored or trainer is not None
-        monitor = RunMonitor(failure.progress_timeout_s) if needs_monitor else None
+        monitor = None
+        if needs_monitor:
+            timeout = failure.progress_timeout_s
+            monitor = (
+                pool.acquire_monitor(timeout) if strategy.reuse_workers else RunMonitor(timeout)
+            )
+        succeeded = False
         replay = None
         if monitor is not None and trainer is not None:
             replay = DriverReplay(trainer, callbacks, monitor.actor)
@@ -131,6 +139,7 @@ class RayLauncherBase(_Base):
                     )  # fmt: skip
                     try:
                         outputs = self._run_once(payload, replay)
+                        succeeded = True
                         break
                     except WorkerDiedError as err:
                         failures += 1
@@ -144,7 +153,9 @@ class RayLauncherBase(_Base):
                     replay.fail(err)
                 raise
             finally:
-                if monitor is not None:
+                if monitor is not None and succeeded and strategy.reuse_workers:
+                    pool.release_monitor(monitor)  # kept with the warm workers
+                elif monitor is not None:
                     monitor.shutdown()
         if trainer is None:
             return outputs[0].results
@@ -520,6 +531,8 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
     output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if payload.monitor is not None and payload.forward_output:
         output = OutputForwarder(payload.monitor.actor, context.rank.global_rank)
+    if payload.monitor is not None:
+        open_channel(payload.monitor.actor)
     try:
         with output:
             results = payload.function(*args, **kwargs)
@@ -529,6 +542,7 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
                 callback.send_now(trainer)  # the driver's view gets the steps before the error
         raise
     finally:
+        close_channel()
         if resume_file is not None and payload.resume and payload.resume.uri is None:
             os.unlink(resume_file)
     if trainer is None:

@@ -20,6 +20,7 @@ from ray_lightning_sgd.environment import RayEnvironmentBase
 from ray_lightning_sgd.flavour import Flavour
 from ray_lightning_sgd.launcher import RayLauncherBase
 from ray_lightning_sgd.strategy import RaySGDStrategyBase
+from ray_lightning_sgd.tune import TuneReportCallbackBase
 
 FLAVOUR = Flavour.load("lightning.pytorch")
 
@@ -28,10 +29,12 @@ if TYPE_CHECKING:
     _ClusterEnvironment = object
     _Launcher = object
     _DDPStrategy = object
+    _Callback = object
 else:
     _ClusterEnvironment = FLAVOUR.cluster_environment
     _Launcher = FLAVOUR.launcher_interface
     _DDPStrategy = FLAVOUR.ddp_strategy
+    _Callback = FLAVOUR.callback
 
 
 class RayEnvironment(RayEnvironmentBase, _ClusterEnvironment):
@@ -49,4 +52,8 @@ class RaySGDStrategy(RaySGDStrategyBase, _DDPStrategy):
     launcher_class = RayLauncher
 
 
-__all__ = ["FLAVOUR", "RayEnvironment", "RayLauncher", "RaySGDStrategy"]
+class TuneReportCallback(TuneReportCallbackBase, _Callback):
+    __doc__ = TuneReportCallbackBase.__doc__
+
+
+__all__ = ["FLAVOUR", "RayEnvironment", "RayLauncher", "RaySGDStrategy", "TuneReportCallback"]

@@ -111,8 +111,12 @@ class _Monitor:
     def __init__(self) -> None:
         self._progress: dict[int, tuple[float, str, int]] = {}
         self._resume: ResumePoint | None = None
-        self._events: list[Any] = []
+        self._events: list[bytes] = []
         self._output: list[tuple[int, list[tuple[str, str]]]] = []
+
+    def reset(self) -> None:
+        """A new launch (a monitor kept between calls is reused)."""
+        self.__init__()  # type: ignore[misc]
 
     def restart_clock(self, world_size: int) -> None:
         now = time.monotonic()
@@ -130,15 +134,17 @@ class _Monitor:
             if now - last > timeout_s
         )
 
-    def add_events(self, events: list[Any]) -> None:
-        """Rank 0's callback events, for the driver (see :mod:`ray_lightning_sgd.driver_view`)."""
-        self._events.extend(events)
+    def add_events(self, events: bytes) -> None:
+        """Rank 0's callback events, pickled, for the driver (see
+        :mod:`ray_lightning_sgd.driver_view`). Kept as bytes: unpickling metrics here would import
+        torch into this small actor."""
+        self._events.append(events)
 
     def add_output(self, rank: int, lines: list[tuple[str, str]]) -> None:
         """A worker's output lines (stream, text), for the driver to print."""
         self._output.append((rank, lines))
 
-    def take(self) -> tuple[list[Any], list[tuple[int, list[tuple[str, str]]]]]:
+    def take(self) -> tuple[list[bytes], list[tuple[int, list[tuple[str, str]]]]]:
         """The events and output lines that arrived since the last call."""
         events, self._events = self._events, []
         output, self._output = self._output, []
@@ -161,16 +167,22 @@ class RunMonitor:
     def __init__(self, progress_timeout_s: float | None) -> None:
         self.progress_timeout_s = progress_timeout_s
         here = ray.get_runtime_context().get_node_id()
+        self.name = f"{NAME_PREFIX}-monitor-{uuid.uuid4().hex[:12]}"
         self.actor: Any = (
             ray.remote(_Monitor)
             .options(
-                name=f"{NAME_PREFIX}-monitor-{uuid.uuid4().hex[:12]}",
+                name=self.name,
                 num_cpus=0,
                 max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
             )
             .remote()
         )
+
+    def reset(self, progress_timeout_s: float | None) -> None:
+        """Driver side: readies a kept monitor for a new launch."""
+        self.progress_timeout_s = progress_timeout_s
+        ray.get(self.actor.reset.remote(), timeout=_MONITOR_CALL_S)
 
     def start_attempt(self, world_size: int) -> None:
         """Driver side: starts every rank's progress clock, as a call begins."""

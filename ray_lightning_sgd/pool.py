@@ -24,6 +24,7 @@ import torch
 from ray_lightning_sgd.backend import BackendConfig
 from ray_lightning_sgd.exceptions import RaySGDError
 from ray_lightning_sgd.executor import BackendExecutor
+from ray_lightning_sgd.monitor import RunMonitor
 from ray_lightning_sgd.worker_group import WorkerGroupConfig
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,36 @@ class _Idle:
 _lock = threading.Lock()
 _idle: list[_Idle] = []
 _atexit_registered = False
+#: A run monitor kept between calls (starting its actor costs a process), and its Ray session.
+_idle_monitor: tuple[tuple[str, str], RunMonitor] | None = None
+
+
+def acquire_monitor(progress_timeout_s: float | None) -> RunMonitor:
+    """Driver side: the kept run monitor of this Ray session, reset, or a new one."""
+    global _idle_monitor
+    with _lock:
+        kept, _idle_monitor = _idle_monitor, None
+    if kept is not None and kept[0] == _session():
+        try:
+            kept[1].reset(progress_timeout_s)
+            return kept[1]
+        except ray.exceptions.RayError:
+            log.debug("The kept run monitor is gone; starting a new one")
+    return RunMonitor(progress_timeout_s)
+
+
+def release_monitor(monitor: RunMonitor) -> None:
+    """Driver side: keeps the run monitor of a call that succeeded, for the next call."""
+    global _idle_monitor, _atexit_registered
+    if not ray.is_initialized():
+        return
+    with _lock:
+        previous, _idle_monitor = _idle_monitor, (_session(), monitor)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+    if previous is not None and previous[0] == _session():
+        previous[1].shutdown()
 
 
 def acquire(
@@ -114,13 +145,29 @@ def shutdown(worker_group_config: WorkerGroupConfig | None = None) -> int:
         for idle in chosen:
             _idle.remove(idle)
     _shut_down(chosen, _session() if ray.is_initialized() else None)
+    _drop_monitor_if_unused()
     return len(chosen)
 
 
-def idle_group_names() -> list[str]:
-    """Driver side: the names of the worker groups kept idle, for tests and diagnostics."""
+def _drop_monitor_if_unused() -> None:
+    # the monitor stays while warm workers do: it goes with the last of them
+    global _idle_monitor
     with _lock:
-        return [idle.executor.worker_group.name for idle in _idle]
+        if _idle:
+            return
+        kept, _idle_monitor = _idle_monitor, None
+    if kept is not None and ray.is_initialized() and kept[0] == _session():
+        kept[1].shutdown()
+
+
+def idle_group_names() -> list[str]:
+    """Driver side: the names of the worker groups (and the run monitor) kept idle, for tests and
+    diagnostics."""
+    with _lock:
+        names = [idle.executor.worker_group.name for idle in _idle]
+        if _idle_monitor is not None:
+            names.append(_idle_monitor[1].name)
+        return names
 
 
 def _shut_down(idle: list[_Idle], session: tuple[str, str] | None) -> None:

@@ -23,7 +23,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ray_lightning_sgd import _compat, pool
+from ray_lightning_sgd import _compat, cluster, pool
 from ray_lightning_sgd.environment import RayEnvironmentBase
 from ray_lightning_sgd.exceptions import ConfigurationError
 from ray_lightning_sgd.flavour import Flavour
@@ -183,6 +183,31 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
     def driver_callbacks(self) -> list[Any]:
         """Callbacks that run on the driver, on rank 0's live events."""
         return self._driver_callbacks
+
+    def tune_resources(self, head_bundle: Mapping[str, float] | None = None) -> Any:
+        """Driver side: what one Ray Tune trial of a run with this strategy needs, as a
+        ``ray.tune.PlacementGroupFactory``: one bundle per worker (custom and fractional resources
+        included) and ``head_bundle`` for the trial's own process (nothing by default: the
+        driver only waits). The workers then start in the trial's placement group.
+
+        Raises:
+            ResourcesUnavailableError: The connected cluster (started if none is) could never
+                hold one trial, which Tune would otherwise leave pending for ever.
+        """
+        try:
+            from ray.tune import PlacementGroupFactory
+        except ImportError as err:
+            raise ImportError(
+                "tune_resources needs Ray Tune: pip install 'ray_lightning_sgd[tune]'"
+            ) from err
+        config = self._worker_group_config
+        cluster.connect()
+        cluster.check_placement_is_possible(
+            config.resources_per_worker, config.num_workers, config.placement_strategy
+        )
+        bundles = [dict(head_bundle or {})]
+        bundles += [dict(config.resources_per_worker) for _ in range(config.num_workers)]
+        return PlacementGroupFactory(bundles, strategy=config.placement_strategy)
 
     def __getstate__(self) -> dict[str, Any]:
         # driver callbacks stay on the driver (they may hold a terminal, a widget, a socket)

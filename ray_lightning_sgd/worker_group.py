@@ -22,7 +22,12 @@ from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_lightning_sgd import cluster
@@ -216,7 +221,9 @@ class WorkerGroup:
         self._config = config
         self._state = _State.NEW
         self._name = f"{NAME_PREFIX}-{uuid.uuid4().hex[:12]}"
+        # only a group this worker group made; one it runs inside is its owner's to free
         self._placement_group: PlacementGroup | None = None
+        self._bundles: list[int] = []
         self._actors: list[ray.actor.ActorHandle] = []
         self._metadata: list[WorkerMetadata] = []
         self._ranks: list[WorkerRank] = []
@@ -371,6 +378,13 @@ class WorkerGroup:
     def _reserve(self, deadline: float) -> PlacementGroup:
         config = self._config
         bundle = dict(config.resources_per_worker)
+        enclosing = get_current_placement_group()
+        if enclosing is not None:
+            # a Ray Tune trial (or any task in a placement group): use its bundles, not a second
+            # group that the trial's own reservation may leave no room for
+            self._bundles = bundles_for_workers(enclosing.bundle_specs, bundle, config.num_workers)
+            return enclosing
+        self._bundles = list(range(config.num_workers))
         group = placement_group(
             [bundle] * config.num_workers, strategy=config.placement_strategy, name=self._name
         )
@@ -403,7 +417,7 @@ class WorkerGroup:
                 runtime_env=runtime_env,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=index
+                    placement_group=group, placement_group_bundle_index=self._bundles[index]
                 ),
             ).remote()
             for index in range(config.num_workers)
@@ -479,6 +493,30 @@ def _blame_a_lost_peer(
                     died.add_note(f"Another rank failed first, as it lost its peer: {error!r}")
                     return died, _chain(err)
     return error, cause
+
+
+def bundles_for_workers(
+    specs: Sequence[Mapping[str, float]], bundle: Mapping[str, float], num_workers: int
+) -> list[int]:
+    """The indices of an enclosing placement group's bundles that the workers take: the last
+    ``num_workers`` bundles that each hold ``bundle`` (a Tune trial's head bundle comes first).
+
+    Raises:
+        ResourcesUnavailableError: The group has too few such bundles.
+    """
+    fitting = [
+        index
+        for index, spec in enumerate(specs)
+        if all(spec.get(name, 0.0) >= amount for name, amount in bundle.items())
+    ]
+    if len(fitting) < num_workers:
+        raise ResourcesUnavailableError(
+            f"this call runs inside a placement group (a Ray Tune trial's?) whose bundles are "
+            f"{[dict(s) for s in specs]}; {num_workers} workers need {num_workers} bundles of "
+            f"{dict(bundle)}. Give the trial the strategy's own request: "
+            "tune.with_resources(trainable, strategy.tune_resources())"
+        )
+    return fitting[len(fitting) - num_workers :]
 
 
 def _remaining(deadline: float) -> float:

@@ -55,7 +55,7 @@ class TinyModelSteps:
         return self(batch[0])
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return torch.optim.SGD(self.parameters(), lr=getattr(self, "lr", 0.1))
 
 
 class TinyModel(TinyModelSteps, pl.LightningModule):

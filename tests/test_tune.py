@@ -1,0 +1,88 @@
+"""Ray Tune: each trial is a Lightning run whose workers use the trial's own placement group."""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import ray
+import torch
+from ray import tune
+
+from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, ResourcesUnavailableError
+from ray_lightning_sgd.tune import TuneReportCallback
+from ray_lightning_sgd.worker_group import bundles_for_workers
+from tests.conftest import leftovers
+from tests.helpers import TinyData, TinyModel
+
+
+def _strategy() -> RaySGDStrategy:
+    return RaySGDStrategy(num_workers=2, num_cpus_per_worker=1, reuse_workers=False)
+
+
+def _trial(config: dict) -> None:
+    pl.seed_everything(0)
+    placement = ray.util.get_current_placement_group()
+    assert placement is not None, "Tune runs the trial inside its placement group"
+    model = TinyModel()
+    model.lr = config["lr"]
+    trainer = pl.Trainer(
+        strategy=_strategy(),
+        accelerator="cpu",
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            TuneReportCallback({"acc": "val_acc", "loss": "val_loss"}, save_checkpoints=True)
+        ],
+    )
+    trainer.fit(model, datamodule=TinyData())
+    # the workers ran in the trial's group: no group of ours was made
+    assert [g for g in leftovers()[1]] == []
+
+
+def test_a_tuner_runs_trials_with_the_strategy(ray_cluster, tmp_path):
+    resources = _strategy().tune_resources()
+    assert resources.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]  # the trial's own process: nothing
+    assert resources.head_bundle_is_empty
+    tuner = tune.Tuner(
+        tune.with_resources(_trial, resources),
+        param_space={"lr": tune.grid_search([0.05, 0.2])},
+        tune_config=tune.TuneConfig(metric="loss", mode="min"),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="tiny", verbose=0),
+    )
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    assert len(results) == 2
+    for result in results:
+        assert result.metrics["training_iteration"] == 3  # one report per validation, no sanity
+        assert 0.0 <= result.metrics["acc"] <= 1.0
+        history = result.metrics_dataframe
+        assert list(history["training_iteration"]) == [1, 2, 3]
+    best = results.get_best_result()
+    assert best.metrics["loss"] == min(r.metrics["loss"] for r in results)
+    with best.checkpoint.as_directory() as folder:
+        path = f"{folder}/checkpoint.ckpt"
+        state = torch.load(path, weights_only=False)
+        assert state["global_step"] == 3 * 6 and state["epoch"] == 2  # the last validation's
+        assert isinstance(TinyModel.load_from_checkpoint(path), TinyModel)
+    assert leftovers() == ([], [])
+
+
+def test_a_trial_the_cluster_cannot_hold_is_refused_at_once(ray_cluster):
+    with pytest.raises(ResourcesUnavailableError, match="cannot place 8 workers"):
+        RaySGDStrategy(num_workers=8).tune_resources()
+
+
+def test_bundles_of_an_enclosing_group_are_chosen_or_refused():
+    head_and_two = [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert bundles_for_workers(head_and_two, {"CPU": 1, "GPU": 1}, 2) == [1, 2]
+    assert bundles_for_workers(head_and_two, {"CPU": 1}, 2) == [1, 2]
+    with pytest.raises(ResourcesUnavailableError, match="tune_resources"):
+        bundles_for_workers(head_and_two, {"CPU": 1, "GPU": 1}, 3)
+
+
+def test_report_hooks_are_checked():
+    with pytest.raises(ConfigurationError, match="on='test_end'"):
+        TuneReportCallback(on="test_end")
