@@ -59,3 +59,10 @@ class ConfigureLauncher:
 
     def _configure_launcher(self) -> None:
         self._launcher = self.make_launcher()
+
+
+def set_logger_version(logger: Any, version: Any) -> None:
+    """Gives a driver logger the version rank 0's copy chose (CSV and TensorBoard loggers keep
+    it in ``_version``; without this, the driver's copy would pick the next free version)."""
+    if version is not None and hasattr(logger, "_version"):
+        logger._version = version

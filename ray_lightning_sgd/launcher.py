@@ -35,7 +35,7 @@ from ray import cloudpickle
 from torch import Tensor
 from typing_extensions import override
 
-from ray_lightning_sgd import _compat, cluster, pool
+from ray_lightning_sgd import _compat, artifacts, cluster, pool
 from ray_lightning_sgd._serialization import Packed, pack, unpack
 from ray_lightning_sgd.driver_view import (
     PUMP_INTERVAL_S,
@@ -128,6 +128,7 @@ class RayLauncherBase(_Base):
         replay = None
         if monitor is not None and trainer is not None:
             replay = DriverReplay(trainer, callbacks, monitor.actor)
+        mirror = artifacts.prepare(trainer) if trainer is not None else None
         with _sigterm_raises(strategy.flavour.sigterm_exception):
             try:
                 failures, resume = 0, None
@@ -136,6 +137,7 @@ class RayLauncherBase(_Base):
                         trainer, function, args, kwargs, global_state, monitor, failure, resume,
                         forward_events=replay is not None and bool(callbacks),
                         forward_output=replay is not None,
+                        artifacts=mirror,
                     )  # fmt: skip
                     try:
                         outputs = self._run_once(payload, replay)
@@ -153,6 +155,7 @@ class RayLauncherBase(_Base):
                     replay.fail(err)
                 raise
             finally:
+                artifacts.finish(mirror)
                 if monitor is not None and succeeded and strategy.reuse_workers:
                     pool.release_monitor(monitor)  # kept with the warm workers
                 elif monitor is not None:
@@ -292,6 +295,8 @@ class _Payload(NamedTuple):
     forward_events: bool = False
     #: Whether the workers send what Python prints to the driver (through the monitor).
     forward_output: bool = False
+    #: Where the driver expects rank 0's logs and checkpoints.
+    artifacts: artifacts.Artifacts | None = None
 
 
 class _RankZeroResults(NamedTuple):
@@ -307,6 +312,10 @@ class _RankZeroResults(NamedTuple):
     logged_metrics: dict[str, Any]
     progress_bar_metrics: dict[str, Any]
     should_stop: bool
+    #: Files rank 0 wrote that the driver cannot see (see :mod:`ray_lightning_sgd.artifacts`).
+    files: dict[str, bytes]
+    #: Each logger's version, as rank 0 chose it.
+    logger_versions: list[Any]
 
 
 class _RankPredictions(NamedTuple):
@@ -490,6 +499,7 @@ def _run_on_worker(packed: Packed) -> Packed:
 
 
 def _run_payload(payload: _Payload) -> _WorkerOutput:
+    started = artifacts.now()
     context = get_worker_context()
     payload.global_state.restore()
     trainer = payload.trainer
@@ -549,7 +559,11 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
         return _WorkerOutput(results, None, None)
     for callback in ours:
         _callbacks(trainer).remove(callback)
-    return _collect_results(trainer, results, context.rank.global_rank, recorder)
+    collected = _collect_results(trainer, results, context.rank.global_rank, recorder)
+    if collected.rank_zero is not None:
+        files = artifacts.collect(payload.artifacts, started)
+        collected = collected._replace(rank_zero=collected.rank_zero._replace(files=files))
+    return collected
 
 
 @functools.cache
@@ -613,6 +627,8 @@ def _collect_results(
         logged_metrics=_to_cpu(dict(trainer.logged_metrics)),
         progress_bar_metrics=_to_cpu(dict(trainer.progress_bar_metrics)),
         should_stop=trainer.should_stop,
+        files={},
+        logger_versions=[getattr(logger, "version", None) for logger in trainer.loggers],
     )
     return _WorkerOutput(_to_cpu(results), rank_zero, predictions)
 
@@ -621,6 +637,9 @@ def _recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[_WorkerOut
     """Driver side: copies rank 0's results into the Trainer and model; returns the call's result."""
     rank_zero = outputs[0].rank_zero
     assert rank_zero is not None, "rank 0 always sends its results"
+    artifacts.write(rank_zero.files)
+    for logger, version in zip(trainer.loggers, rank_zero.logger_versions, strict=False):
+        _compat.set_logger_version(logger, version)
     model = trainer.lightning_module
     if rank_zero.model_state is not None:
         # not strict, as Lightning's spawn launcher: hooks on the worker may have changed layers
