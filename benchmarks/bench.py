@@ -39,7 +39,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-MODES = ("single", "ddp", "ddp_spawn", "ray_train", "ray_sgd_cold", "ray_sgd_warm")
+MODES = (
+    "single",
+    "ddp",
+    "ddp_spawn",
+    "ray_train",
+    "ray_sgd_cold",
+    "ray_sgd_warm",
+    "ddp_bar",
+    "ray_sgd_bar",
+)
+#: Modes that run another with Lightning's TQDM progress bar on (on the driver for ray_sgd).
+WITH_BAR = {"ddp_bar": "ddp", "ray_sgd_bar": "ray_sgd_warm"}
 WORKERS = 2
 BATCH = 128
 FEATURES = 1024
@@ -153,6 +164,8 @@ def _ray_train_loop(config: dict) -> None:
 def run_mode(mode: str, out: str) -> None:
     """Runs one mode once in this process and writes out.driver (rank 0 writes out.rank0)."""
     torch.set_num_threads(1)
+    bar = mode in WITH_BAR
+    mode = WITH_BAR.get(mode, mode)
     ray_init = 0.0
     if mode == "ray_train":
         from ray.train import RunConfig, ScalingConfig
@@ -185,6 +198,11 @@ def run_mode(mode: str, out: str) -> None:
         else:
             strategy, ranks = mode, WORKERS
         kwargs = _trainer_kwargs(out)
+        if bar:
+            from pytorch_lightning.callbacks import TQDMProgressBar
+
+            kwargs["enable_progress_bar"] = True
+            kwargs["callbacks"] = [*kwargs["callbacks"], TQDMProgressBar()]
         if mode in ("ddp", "ddp_spawn"):
             kwargs["devices"] = WORKERS
         pl.seed_everything(0)

@@ -34,9 +34,7 @@ from ray_lightning_sgd.exceptions import (
     WorkerTimeoutError,
 )
 from ray_lightning_sgd.executor import BackendExecutor
-from ray_lightning_sgd.pool import shutdown as shutdown_workers
 from ray_lightning_sgd.ranks import WorkerMetadata, WorkerRank
-from ray_lightning_sgd.torch_backend import TorchBackend, TorchConfig
 from ray_lightning_sgd.worker_group import (
     WorkerContext,
     WorkerGroup,
@@ -45,15 +43,27 @@ from ray_lightning_sgd.worker_group import (
 )
 
 if TYPE_CHECKING:
+    from ray_lightning_sgd.pool import shutdown as shutdown_workers
     from ray_lightning_sgd.pytorch_lightning import RayEnvironment, RaySGDStrategy
+    from ray_lightning_sgd.torch_backend import TorchBackend, TorchConfig
 
 #: The names that belong to a Lightning namespace, resolved on first use.
 _FLAVOURED = ("RayEnvironment", "RaySGDStrategy")
+#: Names whose modules import torch, resolved on first use: the package itself stays light for
+#: the small actors that import it (the run monitor).
+_LAZY = {
+    "TorchBackend": ("ray_lightning_sgd.torch_backend", "TorchBackend"),
+    "TorchConfig": ("ray_lightning_sgd.torch_backend", "TorchConfig"),
+    "shutdown_workers": ("ray_lightning_sgd.pool", "shutdown"),
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _FLAVOURED:
         return getattr(_default_flavour(), name)
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

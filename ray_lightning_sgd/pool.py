@@ -161,13 +161,15 @@ def _drop_monitor_if_unused() -> None:
 
 
 def idle_group_names() -> list[str]:
-    """Driver side: the names of the worker groups (and the run monitor) kept idle, for tests and
-    diagnostics."""
+    """Driver side: the names of the worker groups kept idle, for tests and diagnostics."""
     with _lock:
-        names = [idle.executor.worker_group.name for idle in _idle]
-        if _idle_monitor is not None:
-            names.append(_idle_monitor[1].name)
-        return names
+        return [idle.executor.worker_group.name for idle in _idle]
+
+
+def idle_monitor_name() -> str | None:
+    """Driver side: the name of the run monitor's actor kept with the idle workers, if any."""
+    with _lock:
+        return None if _idle_monitor is None else _idle_monitor[1].name
 
 
 def _shut_down(idle: list[_Idle], session: tuple[str, str] | None) -> None:

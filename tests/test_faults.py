@@ -73,8 +73,11 @@ def test_a_worker_that_exits_fails_the_fit_within_seconds(ray_cluster):
 
 
 def test_a_killed_actor_fails_the_fit_within_10_seconds(ray_cluster, tmp_path):
+    started = tmp_path / "training"
+
     class Slow(TinyModel):
         def training_step(self, batch, batch_idx):
+            started.touch()
             time.sleep(0.2)
             return super().training_step(batch, batch_idx)
 
@@ -86,7 +89,9 @@ def test_a_killed_actor_fails_the_fit_within_10_seconds(ray_cluster, tmp_path):
             if names:
                 break
             time.sleep(0.2)
-        time.sleep(2)  # training is under way
+        while not started.exists():
+            time.sleep(0.1)
+        time.sleep(1)  # training is under way
         actor = ray.get_actor(names[0], namespace=ray.get_runtime_context().namespace)
         killed_at.append(time.monotonic())
         ray.kill(actor, no_restart=True)
@@ -178,7 +183,9 @@ def test_repeated_calls_leave_nothing_behind(ray_cluster):
         trainer.fit(model, loader())
         trainer.validate(model, loader(n=40), verbose=False)
     actors, groups = leftovers()
-    assert len(actors) == 2 and len(groups) == 1, "only the one warm group may stay"
+    workers = [name for name in actors if "monitor" not in name]
+    assert len(workers) == 2 and len(groups) == 1, "only the one warm group may stay"
+    assert len(actors) == 3, "and the one run monitor kept with it"
     assert process.num_fds() - fds <= 5
     assert process.memory_info().rss - rss < 100 * 2**20
 
