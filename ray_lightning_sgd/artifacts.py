@@ -20,8 +20,6 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
-import ray
-
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
@@ -29,14 +27,14 @@ log = logging.getLogger(__name__)
 
 #: Files older than the call's start by more than this are not sent (clocks of nodes differ).
 _CLOCK_SLACK_S = 2.0
+#: At most this much is copied back after one call; the rest stays on rank 0's node.
+MAX_COPY_BYTES = 4 * 2**30
 
 
 class Artifacts(NamedTuple):
-    """What the driver tells rank 0 about where its files belong."""
+    """What the driver tells rank 0: the probe file whose absence means "send your files"."""
 
-    roots: tuple[str, ...]
-    probe: str | None
-    driver_node: str
+    probe: str
 
 
 def _local(path: str | None) -> str | None:
@@ -49,30 +47,33 @@ def _local(path: str | None) -> str | None:
 
 
 def prepare(trainer: pl.Trainer) -> Artifacts | None:
-    """Driver side: the local folders the Trainer writes to, with a probe file; None if none."""
-    roots: list[str] = []
+    """Driver side: leaves a probe file in the Trainer's local ``default_root_dir``; None when
+    that folder is a remote URI (shared by definition) or cannot be written (nothing to mirror)."""
+    root = _local(trainer.default_root_dir)
+    if root is None:
+        return None
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".ray_lightning_sgd-probe-{uuid.uuid4().hex}")
+        open(probe, "w").close()
+    except OSError:
+        return None
+    return Artifacts(probe)
+
+
+def _folders(trainer: pl.Trainer) -> list[str]:
+    """Runs on rank 0: the local folders its loggers and checkpoint callbacks wrote to (not the
+    whole ``default_root_dir``, which defaults to the working directory)."""
     candidates: Iterable[str | None] = [
-        trainer.default_root_dir,
-        *(getattr(logger, "save_dir", None) for logger in trainer.loggers),
+        *(getattr(logger, "log_dir", None) for logger in trainer.loggers),
         *(getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks),
     ]
+    folders: list[str] = []
     for candidate in candidates:
         local = _local(candidate)
-        if local is not None and os.path.normpath(local) not in roots:
-            roots.append(os.path.normpath(local))
-    if not roots:
-        return None
-    probe = None
-    root = _local(trainer.default_root_dir)
-    if root is not None:
-        try:
-            os.makedirs(root, exist_ok=True)
-            probe = os.path.join(root, f".ray_lightning_sgd-probe-{uuid.uuid4().hex}")
-            open(probe, "w").close()
-        except OSError:
-            probe = None  # a read-only root: rank 0 sends its files
-    node = ray.get_runtime_context().get_node_id()
-    return Artifacts(tuple(roots), probe, node)
+        if local is not None and os.path.normpath(local) not in folders:
+            folders.append(os.path.normpath(local))
+    return folders
 
 
 def finish(artifacts: Artifacts | None) -> None:
@@ -84,25 +85,32 @@ def finish(artifacts: Artifacts | None) -> None:
             pass
 
 
-def collect(artifacts: Artifacts | None, started: float) -> dict[str, bytes]:
-    """Runs on rank 0 after the call: the files it wrote under the roots, if the driver cannot
-    see them (another node, no shared file system)."""
-    if artifacts is None:
+def collect(artifacts: Artifacts | None, trainer: pl.Trainer, started: float) -> dict[str, bytes]:
+    """Runs on rank 0 after the call: the files its loggers and checkpoint callbacks wrote during
+    the call, if it cannot see the driver's probe file (another node, or another working directory
+    for a relative ``default_root_dir``); nothing if it can."""
+    if artifacts is None or os.path.exists(artifacts.probe):
         return {}
-    if ray.get_runtime_context().get_node_id() == artifacts.driver_node:
-        return {}
-    if artifacts.probe is not None and os.path.exists(artifacts.probe):
-        return {}  # the driver's folder is this node's folder
     files: dict[str, bytes] = {}
-    for root in artifacts.roots:
+    size = 0
+    for root in _folders(trainer):
         for folder, _, names in os.walk(root):
             for name in names:
                 path = os.path.join(folder, name)
-                if path in files or name.startswith(".ray_lightning_sgd-probe-"):
+                if path in files:
                     continue
                 try:
                     if os.path.getmtime(path) < started - _CLOCK_SLACK_S:
                         continue
+                    size += os.path.getsize(path)
+                    if size > MAX_COPY_BYTES:
+                        log.warning(
+                            "Not copying the files of %s and after to the driver: more than %d "
+                            "MB in all; write logs and checkpoints to storage both can reach",
+                            path,
+                            MAX_COPY_BYTES // 2**20,
+                        )
+                        return files
                     with open(path, "rb") as file:
                         files[path] = file.read()
                 except OSError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import sys
 import threading
 import time
@@ -39,6 +40,8 @@ FLUSH_INTERVAL_S = 0.2
 #: How often the driver looks for events while the workers run (seconds).
 PUMP_INTERVAL_S = 0.1
 _MONITOR_CALL_S = 30.0
+#: How many distinct output lines the driver remembers for printing each one once across ranks.
+_MAX_DISTINCT_LINES = 10_000
 
 #: One event: the hook's name, its index arguments, rank 0's counters, and (on the last event of
 #: each batch) its metrics.
@@ -63,9 +66,10 @@ def close_channel() -> None:
 
 
 def send_to_driver(function: Any, *args: Any) -> None:
-    """Runs on a worker, during a call: runs ``function(*args)`` on the driver, in order with the
-    call's events (within about 0.1 s; ``function`` must be importable there). Waits until the
-    monitor holds the request; what ``function`` raises on the driver fails the call."""
+    """Runs on a worker, during a call: runs ``function(*args)`` on the driver within about 0.1 s
+    (after the events the monitor already holds; ``function`` must be importable there). Waits
+    until the monitor holds the request; what ``function`` raises on the driver fails the call.
+    A call that failed runs no more of them."""
     if _channel is None:
         raise RuntimeError("send_to_driver works on the workers of a RaySGDStrategy call only")
     event: Event = (_CALL, (function, args), {}, None)
@@ -369,7 +373,7 @@ class DriverReplay:
     Args:
         trainer: The driver's Trainer.
         callbacks: The callbacks to call (the progress bar, the strategy's driver callbacks).
-        monitor: The run monitor's actor, where rank 0 sends its events.
+        monitor: The run monitor (a ``RunMonitor``), where rank 0 sends its events.
     """
 
     def __init__(self, trainer: pl.Trainer, callbacks: list[Callback], monitor: Any) -> None:
@@ -379,17 +383,20 @@ class DriverReplay:
         self.view = TrainerView(trainer)
         self._printer = OutputPrinter()
 
-    def pump(self) -> None:
+    def pump(self, run_calls: bool = True) -> None:
         """Driver side: prints the workers' output and replays the events that arrived since the
-        last call."""
-        blobs, output = ray.get(self._monitor.take.remote(), timeout=_MONITOR_CALL_S)
+        last call (and runs the functions workers sent, unless ``run_calls`` is False)."""
+        if not self._monitor.started:
+            return  # the call failed before its workers were up: nothing was sent
+        blobs, output = ray.get(self._monitor.actor.take.remote(), timeout=_MONITOR_CALL_S)
         for rank, lines in output:
             self._printer.write(rank, lines)
         events: list[Event] = [event for blob in blobs for event in cloudpickle.loads(blob)]
         for hook, args, counters, metrics in events:
             if hook == _CALL:
-                function, call_args = args
-                function(*call_args)  # what it raises ends the wait for the workers
+                if run_calls:
+                    function, call_args = args
+                    function(*call_args)  # what it raises ends the wait for the workers
                 continue
             self.view.update(counters, metrics)
             for callback in list(self._callbacks):
@@ -431,6 +438,7 @@ class _LineStream(io.TextIOBase):
         self._name = name
         self._original = original
         self._partial = ""
+        self._pid = os.getpid()
 
     @property
     def encoding(self) -> str:  # type: ignore[override]
@@ -446,6 +454,10 @@ class _LineStream(io.TextIOBase):
         return int(self._original.fileno())  # what writes to the descriptor goes Ray's way
 
     def write(self, text: str) -> int:
+        if os.getpid() != self._pid:
+            # a forked child (a DataLoader worker) has no sender: Ray's log forwarding takes it
+            self._original.write(text)
+            return len(text)
         lines = (self._partial + text).split("\n")
         self._partial = lines.pop()
         if lines:
@@ -514,6 +526,12 @@ class OutputForwarder:
         sys.stdout, sys.stderr = self._saved
         for handler, old in self._handlers:
             handler.setStream(old)
+        # handlers made during the call (logging.basicConfig, ...) hold our streams: give them
+        # the real ones, or a warm worker's later output would go nowhere
+        originals = {id(stream): stream._original for stream in self._streams}
+        for handler in _stream_handlers():
+            if id(handler.stream) in originals:
+                handler.setStream(originals[id(handler.stream)])
         for stream in self._streams:
             stream.finish()
         self._stop.set()
@@ -547,6 +565,8 @@ class OutputPrinter:
 
     def write(self, rank: int, lines: list[tuple[str, str]]) -> None:
         for stream, line in lines:
+            if len(self._counts) > _MAX_DISTINCT_LINES:
+                self._counts.clear()  # a long run that prints per step: forget old lines
             counts = self._counts.setdefault((stream, line), {})
             seen_elsewhere = max((n for r, n in counts.items() if r != rank), default=0)
             counts[rank] = counts.get(rank, 0) + 1

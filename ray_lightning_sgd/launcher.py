@@ -125,10 +125,15 @@ class RayLauncherBase(_Base):
                 pool.acquire_monitor(timeout) if strategy.reuse_workers else RunMonitor(timeout)
             )
         succeeded = False
-        replay = None
-        if monitor is not None and trainer is not None:
-            replay = DriverReplay(trainer, callbacks, monitor.actor)
-        mirror = artifacts.prepare(trainer) if trainer is not None else None
+        replay, mirror = None, None
+        try:
+            if monitor is not None and trainer is not None:
+                replay = DriverReplay(trainer, callbacks, monitor)
+            mirror = artifacts.prepare(trainer) if trainer is not None else None
+        except BaseException:
+            if monitor is not None:
+                monitor.shutdown()
+            raise
         with _sigterm_raises(strategy.flavour.sigterm_exception):
             try:
                 failures, resume = 0, None
@@ -165,9 +170,10 @@ class RayLauncherBase(_Base):
         return _recover_results_in_driver(trainer, outputs)
 
     def _run_once(self, payload: _Payload, replay: DriverReplay | None) -> list[_WorkerOutput]:
-        # pickled here, so that what cannot be pickled fails before any worker starts
-        packed = _pack(payload)
+        # pickled here, so that what cannot be pickled fails before any worker starts; the monitor
+        # stays here: its actor handle goes with the call, made once the workers are up
         monitor = payload.monitor
+        packed = _pack(payload._replace(monitor=None))
         succeeded = False
         with ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put") as putter:
             # the copy into the object store overlaps the workers' start
@@ -181,8 +187,9 @@ class RayLauncherBase(_Base):
                     group = executor.worker_group
                     watch = functools.partial(_watch, monitor, group.metadata, replay)
                 interval = PUMP_INTERVAL_S if replay is not None else 1.0
+                actor = None if monitor is None else monitor.actor
                 results = executor.run(
-                    _run_on_worker, shipped.result(), watch=watch, watch_interval_s=interval
+                    _run_on_worker, shipped.result(), actor, watch=watch, watch_interval_s=interval
                 )
                 if replay is not None:
                     replay.pump()  # the last events: rank 0 sent them before it returned
@@ -263,9 +270,11 @@ def _sigterm_raises(exception: type[BaseException]) -> Iterator[None]:
 
     def handler(signum: int, frame: Any) -> None:
         log.info("Received SIGTERM on the driver: stopping the workers")
+        # a second SIGTERM must not interrupt the clean-up this one starts
+        signal.signal(signal.SIGTERM, previous)
         if chained is not None:
             chained(signum, frame)
-        raise exception()
+        raise exception(128 + signum)  # the exit status of a process ended by the signal
 
     signal.signal(signal.SIGTERM, handler)
     try:
@@ -286,7 +295,8 @@ class _Payload(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     global_state: _GlobalState
-    #: The run monitor (restarts, a progress timeout, or events for the driver), or None.
+    #: The run monitor (restarts, a progress timeout, or events for the driver), or None; on the
+    #: driver only (the workers get its actor as the call's argument).
     monitor: RunMonitor | None
     failure: FailureConfig
     #: Where a restarted ``fit`` resumes from.
@@ -491,14 +501,17 @@ def _children(obj: Any, path: str) -> list[tuple[str, Any]]:
     return []
 
 
-def _run_on_worker(packed: Packed) -> Packed:
-    """Runs on each worker. Runs the entry point under the assigned rank and collects results."""
+def _run_on_worker(packed: Packed, monitor: Any) -> Packed:
+    """Runs on each worker. Runs the entry point under the assigned rank and collects results.
+
+    ``monitor`` is the run monitor's actor handle, or None.
+    """
     payload: _Payload = unpack(packed)
     del packed
-    return pack(_run_payload(payload))
+    return pack(_run_payload(payload, monitor))
 
 
-def _run_payload(payload: _Payload) -> _WorkerOutput:
+def _run_payload(payload: _Payload, monitor: Any) -> _WorkerOutput:
     started = artifacts.now()
     context = get_worker_context()
     payload.global_state.restore()
@@ -523,26 +536,25 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
             ours.append(recorder)
         for bar in [cb for cb in _callbacks(trainer) if isinstance(cb, flavour.progress_bar)]:
             _callbacks(trainer).remove(bar)  # the driver shows rank 0's progress instead
-        if payload.monitor is not None and payload.forward_events and context.rank.global_rank == 0:
-            ours.append(_callback_class(flavour, EventForwarderBase)(payload.monitor.actor))
-        if payload.monitor is not None and payload.failure.monitored:
-            actor = payload.monitor.actor
-            ours.append(_callback_class(flavour, ProgressReporterBase)(actor))
+        if monitor is not None and payload.forward_events and context.rank.global_rank == 0:
+            ours.append(_callback_class(flavour, EventForwarderBase)(monitor))
+        if monitor is not None and payload.failure.monitored:
+            ours.append(_callback_class(flavour, ProgressReporterBase)(monitor))
             fitting = trainer.state.fn == _FITTING
             if fitting and payload.failure.max_failures != 0:
                 failure = payload.failure
                 resume_callback = _callback_class(flavour, ResumeCheckpointBase)
                 every, storage = failure.checkpoint_every_n_epochs, failure.checkpoint_storage
-                ours.append(resume_callback(actor, every, storage))
+                ours.append(resume_callback(monitor, every, storage))
             if fitting and payload.resume is not None:
                 resume_file = materialise(payload.resume)
                 args, kwargs = _with_ckpt_path(payload.function, args, kwargs, resume_file)
         _callbacks(trainer).extend(ours)
     output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if payload.monitor is not None and payload.forward_output:
-        output = OutputForwarder(payload.monitor.actor, context.rank.global_rank)
-    if payload.monitor is not None:
-        open_channel(payload.monitor.actor)
+    if monitor is not None and payload.forward_output:
+        output = OutputForwarder(monitor, context.rank.global_rank)
+    if monitor is not None:
+        open_channel(monitor)
     try:
         with output:
             results = payload.function(*args, **kwargs)
@@ -561,7 +573,8 @@ def _run_payload(payload: _Payload) -> _WorkerOutput:
         _callbacks(trainer).remove(callback)
     collected = _collect_results(trainer, results, context.rank.global_rank, recorder)
     if collected.rank_zero is not None:
-        files = artifacts.collect(payload.artifacts, started)
+        assert trainer is not None
+        files = artifacts.collect(payload.artifacts, trainer, started)
         collected = collected._replace(rank_zero=collected.rank_zero._replace(files=files))
     return collected
 

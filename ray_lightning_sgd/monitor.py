@@ -166,18 +166,35 @@ class RunMonitor:
 
     def __init__(self, progress_timeout_s: float | None) -> None:
         self.progress_timeout_s = progress_timeout_s
-        here = ray.get_runtime_context().get_node_id()
         self.name = f"{NAME_PREFIX}-monitor-{uuid.uuid4().hex[:12]}"
-        self.actor: Any = (
-            ray.remote(_Monitor)
-            .options(
-                name=self.name,
-                num_cpus=0,
-                max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+        self._actor: Any = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the actor exists (it is made on first use)."""
+        return self._actor is not None
+
+    @property
+    def actor(self) -> Any:
+        """The monitor's actor, made on first use: the launcher first uses it once the workers
+        have started, so that its process does not compete with theirs for the node's start-up
+        slots and CPUs."""
+        if self._actor is None:
+            here = ray.get_runtime_context().get_node_id()
+            self._actor = (
+                ray.remote(_Monitor)
+                .options(
+                    name=self.name,
+                    num_cpus=0,
+                    max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+                )
+                .remote()
             )
-            .remote()
-        )
+        return self._actor
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a RunMonitor stays on the driver; send its actor handle instead")
 
     def reset(self, progress_timeout_s: float | None) -> None:
         """Driver side: readies a kept monitor for a new launch."""
@@ -185,7 +202,11 @@ class RunMonitor:
         ray.get(self.actor.reset.remote(), timeout=_MONITOR_CALL_S)
 
     def start_attempt(self, world_size: int) -> None:
-        """Driver side: starts every rank's progress clock, as a call begins."""
+        """Driver side: starts every rank's progress clock, as a call begins. Without a progress
+        timeout there is no clock, and the call does not wait for a new monitor's actor to be up
+        (the workers' reports queue until it is)."""
+        if self.progress_timeout_s is None:
+            return
         ray.get(self.actor.restart_clock.remote(world_size), timeout=_MONITOR_CALL_S)
 
     def check(self, metadata: list[WorkerMetadata]) -> None:
@@ -211,7 +232,18 @@ class RunMonitor:
         return ray.get(self.actor.resume.remote(), timeout=60)
 
     def shutdown(self) -> None:
+        """Driver side: kills the actor and waits (briefly) until Ray has it dead."""
+        if self._actor is None:
+            return
         ray.kill(self.actor, no_restart=True)
+        deadline = time.monotonic() + _MONITOR_CALL_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.actor.take.remote(), timeout=1)
+            except ray.exceptions.RayActorError:
+                return
+            except ray.exceptions.GetTimeoutError:
+                continue
 
 
 def _where(metadata: list[WorkerMetadata], rank: int) -> str:

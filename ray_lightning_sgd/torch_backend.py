@@ -85,6 +85,8 @@ class TorchBackend(Backend):
         assert isinstance(backend_config, TorchConfig), backend_config
         use_gpu = any(meta.gpu_ids for meta in worker_group.metadata)
         backend = backend_config.resolve_backend(use_gpu)
+        # every worker imports torch now, at once; else each would on its first call, one by one
+        worker_group.execute(_imported)
         address, port = worker_group.execute_single(0, _rendezvous_address)
         log.debug(
             "Joining %d workers to a %s process group at %s:%d",
@@ -113,6 +115,10 @@ class TorchBackend(Backend):
                 len(refs),
                 _SHUTDOWN_WAIT_S,
             )
+
+
+def _imported() -> None:
+    """Runs on each worker. Nothing: unpickling it imports this module, and torch with it."""
 
 
 def _rendezvous_address() -> tuple[str, int]:

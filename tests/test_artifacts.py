@@ -30,7 +30,9 @@ def nodes_with_own_folders(tmp_path_factory):
     here = os.getcwd()
     try:
         os.chdir(folders["head"])
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"near": 1}}
+        )
         os.chdir(folders["far"])  # the node's processes start here
         cluster.add_node(num_cpus=1, resources={"far": 1})
     finally:
@@ -76,6 +78,20 @@ def test_rank_0_files_from_another_node_land_on_the_driver(
     assert metrics.is_file() and "val_loss" in metrics.read_text()
     assert "Copied" in caplog.text
     assert not list((folders["driver"] / "run").glob(".ray_lightning_sgd-probe-*"))
+    ray_lightning_sgd_shutdown()
+
+
+def test_rank_0_on_the_drivers_node_in_another_folder_sends_its_files(
+    nodes_with_own_folders, monkeypatch
+):
+    # the head node's processes work in their own folder: a relative path there is not the
+    # driver's, although the node is the same
+    folders = nodes_with_own_folders
+    monkeypatch.chdir(folders["driver"])
+    near = RaySGDStrategy(num_workers=1, resources_per_worker={"CPU": 1, "near": 1})
+    _, checkpoint = _fit(near, "near-run")
+    assert (folders["head"] / checkpoint.best_model_path).is_file()
+    assert (folders["driver"] / checkpoint.best_model_path).is_file()
     ray_lightning_sgd_shutdown()
 
 

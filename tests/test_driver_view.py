@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.callbacks import Callback, RichProgressBar, TQDMProgressBar
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
@@ -203,4 +205,59 @@ def test_worker_output_reaches_the_driver_tagged_with_the_rank(ray_cluster, capf
     assert "[rank 1] a log record of rank 1" in captured.err
     # the warning is the same text on both ranks: once
     assert captured.err.count("UserWarning: the same warning on every rank") == 1, captured.err
-    assert "pid=" not in captured.out + captured.err
+
+
+class MakesAHandler(TinyModel):
+    """Sets up logging during the call (as logging.basicConfig in user code would), then logs."""
+
+    def on_train_start(self) -> None:
+        made = logging.getLogger("made.during.the.call")
+        if not made.handlers:
+            made.addHandler(logging.StreamHandler())
+            made.propagate = False
+        made.warning("call on pid %d", os.getpid())
+
+
+class PrintingData(torch.utils.data.Dataset):
+    """Prints from the DataLoader's forked worker processes."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int):
+        print(f"item {index}")
+        return torch.zeros(8), torch.tensor(0)
+
+
+def test_a_handler_made_during_a_call_works_on_the_next_warm_call(ray_cluster, capfd):
+    def fit(model) -> str:
+        trainer = pl.Trainer(
+            strategy=RaySGDStrategy(num_workers=2),
+            accelerator="cpu",
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=False,
+        )
+        trainer.fit(model, loader())
+        return capfd.readouterr().err
+
+    first, second = fit(MakesAHandler()), fit(MakesAHandler())
+    assert first.count("] call on pid") == 2
+    assert second.count("] call on pid") == 2, second[-2000:]
+
+
+def test_prints_in_forked_dataloader_workers_do_not_block(ray_cluster):
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2, progress_timeout_s=60),
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    data = torch.utils.data.DataLoader(PrintingData(), batch_size=8, num_workers=1)
+    trainer.fit(TinyModel(), data)
+    assert trainer.global_step == 2
