@@ -9,11 +9,19 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import ray
+from packaging.version import Version
 from ray.cluster_utils import Cluster
 
 from ray_lightning_sgd import RaySGDStrategy, WorkerDiedError
 from tests.conftest import leftovers
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+
+# with Ray 2.52, removing a node of a ray.cluster_utils.Cluster ends the test process itself (seen in
+# CI: the whole pytest run vanished without output); Ray 2.60 removes only the node's processes
+pytestmark = pytest.mark.skipif(
+    Version(ray.__version__) < Version("2.60"),
+    reason="ray.cluster_utils.Cluster.remove_node of Ray < 2.60 ends the test process",
+)
 
 
 @pytest.fixture
