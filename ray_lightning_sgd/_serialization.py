@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import ray
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from ray import cloudpickle
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -169,3 +170,9 @@ def _rebuild_tensor(
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def to_cpu(data: Any) -> Any:
+    """``data`` with every tensor detached and on the CPU (a driver may have no GPU to unpickle
+    CUDA tensors onto)."""
+    return apply_to_collection(data, torch.Tensor, lambda t: t.detach().cpu())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
@@ -134,8 +133,3 @@ def write(files: dict[str, bytes]) -> None:
         len(files),
         size / 1e6,
     )
-
-
-def now() -> float:
-    """The wall-clock time a call started at (file times compare with it)."""
-    return time.time()

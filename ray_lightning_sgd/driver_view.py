@@ -25,9 +25,9 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import ray
-from lightning_utilities.core.apply_func import apply_to_collection
 from ray import cloudpickle
-from torch import Tensor
+
+from ray_lightning_sgd._serialization import to_cpu
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -100,14 +100,10 @@ def _metrics(trainer: pl.Trainer) -> dict[str, Any]:
     loggers = trainer.loggers
     return {
         "progress_bar": dict(trainer.progress_bar_metrics),
-        "callback": _to_cpu(dict(trainer.callback_metrics)),
-        "logged": _to_cpu(dict(trainer.logged_metrics)),
+        "callback": to_cpu(dict(trainer.callback_metrics)),
+        "logged": to_cpu(dict(trainer.logged_metrics)),
         "logger_version": loggers[0].version if loggers else None,
     }
-
-
-def _to_cpu(data: Any) -> Any:
-    return apply_to_collection(data, Tensor, lambda t: t.detach().cpu())
 
 
 class EventForwarderBase:

@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,13 +31,13 @@ import numpy as np
 import ray
 import torch
 import torch.backends.cudnn
-from lightning_utilities.core.apply_func import apply_to_collection
 from ray import cloudpickle
 from torch import Tensor
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat, artifacts, cluster, pool
 from ray_lightning_sgd._serialization import Packed, pack, unpack
+from ray_lightning_sgd._serialization import to_cpu as _to_cpu
 from ray_lightning_sgd.driver_view import (
     PUMP_INTERVAL_S,
     DriverReplay,
@@ -141,7 +142,6 @@ class RayLauncherBase(_Base):
                     payload = _Payload(
                         trainer, function, args, kwargs, global_state, monitor, failure, resume,
                         forward_events=replay is not None and bool(callbacks),
-                        forward_output=replay is not None,
                         artifacts=mirror,
                     )  # fmt: skip
                     try:
@@ -303,8 +303,6 @@ class _Payload(NamedTuple):
     resume: ResumePoint | None
     #: Whether rank 0 sends its callback events to the driver (through the monitor).
     forward_events: bool = False
-    #: Whether the workers send what Python prints to the driver (through the monitor).
-    forward_output: bool = False
     #: Where the driver expects rank 0's logs and checkpoints.
     artifacts: artifacts.Artifacts | None = None
 
@@ -512,7 +510,7 @@ def _run_on_worker(packed: Packed, monitor: Any) -> Packed:
 
 
 def _run_payload(payload: _Payload, monitor: Any) -> _WorkerOutput:
-    started = artifacts.now()
+    started = time.time()  # files the call writes are newer
     context = get_worker_context()
     payload.global_state.restore()
     trainer = payload.trainer
@@ -551,7 +549,7 @@ def _run_payload(payload: _Payload, monitor: Any) -> _WorkerOutput:
                 args, kwargs = _with_ckpt_path(payload.function, args, kwargs, resume_file)
         _callbacks(trainer).extend(ours)
     output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if monitor is not None and payload.forward_output:
+    if monitor is not None and trainer is not None:  # a Trainer's call: its output to the driver
         output = OutputForwarder(monitor, context.rank.global_rank)
     if monitor is not None:
         open_channel(monitor)
@@ -705,10 +703,6 @@ def _per_dataloader(results: Any, num_dataloaders: int) -> list[list[Any]]:
     if num_dataloaders > 1:
         return [list(r) for r in results]
     return [list(results)]
-
-
-def _to_cpu(data: Any) -> Any:
-    return apply_to_collection(data, Tensor, lambda t: t.detach().cpu())
 
 
 def merge_predictions(ranks: Sequence[_RankPredictions]) -> list[list[Any]]:

@@ -34,6 +34,15 @@ def _cli(args: list[str], run: bool = True) -> LightningCLI:
     )
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter; it must succeed."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
 def test_cli_flags_train_with_the_strategy(ray_cluster):
     cli = _cli(
         [
@@ -105,10 +114,7 @@ def test_cli_help_lists_the_typed_arguments():
         "LightningCLI(TinyModel, TinyData, args=['fit', '--trainer.strategy.help', "
         "'ray_lightning_sgd.RaySGDStrategy'])\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _python(code)
     help_text = " ".join(out.stdout.split()).split("Help for", 1)[1]
     for flag, kind in [
         ("num_workers", "int"),
@@ -142,8 +148,5 @@ def test_importing_the_package_first_registers_the_name_when_lightning_comes():
         "t = pl.Trainer(strategy='ray_sgd', logger=False)\n"
         "print(type(t.strategy).__module__)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = _python(code)
     assert out.stdout.strip().endswith("ray_lightning_sgd.pytorch_lightning")

@@ -12,7 +12,7 @@ import torch
 from pytorch_lightning.callbacks import Callback, RichProgressBar, TQDMProgressBar
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
-from tests.helpers import TinyModel, loader
+from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
 
 
 class BarProbe(TinyModel):
@@ -79,6 +79,17 @@ def _fit(tmp_path, strategy, callbacks=(), enable_progress_bar=True, model=None,
     )
     trainer.fit(model or BarProbe(str(tmp_path)), loader(), loader(48))
     return trainer
+
+
+def _quiet_trainer(strategy) -> pl.Trainer:
+    """One epoch, no bar, logger, checkpoints or summary: for the output tests."""
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=1,
+        enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )
 
 
 def _worker_bars(tmp_path) -> list[str]:
@@ -188,15 +199,7 @@ class Chatty(TinyModel):
 
 def test_worker_output_reaches_the_driver_tagged_with_the_rank(ray_cluster, capfd):
     pl.seed_everything(0)
-    trainer = pl.Trainer(
-        strategy=RaySGDStrategy(num_workers=2),
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
+    trainer = _quiet_trainer(RaySGDStrategy(num_workers=2))
     trainer.fit(Chatty(), loader())
     captured = capfd.readouterr()
     assert "[rank 0] hello from rank 0\n" in captured.out
@@ -231,15 +234,7 @@ class PrintingData(torch.utils.data.Dataset):
 
 def test_a_handler_made_during_a_call_works_on_the_next_warm_call(ray_cluster, capfd):
     def fit(model) -> str:
-        trainer = pl.Trainer(
-            strategy=RaySGDStrategy(num_workers=2),
-            accelerator="cpu",
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            enable_progress_bar=False,
-        )
+        trainer = _quiet_trainer(RaySGDStrategy(num_workers=2))
         trainer.fit(model, loader())
         return capfd.readouterr().err
 
@@ -249,15 +244,7 @@ def test_a_handler_made_during_a_call_works_on_the_next_warm_call(ray_cluster, c
 
 
 def test_prints_in_forked_dataloader_workers_do_not_block(ray_cluster):
-    trainer = pl.Trainer(
-        strategy=RaySGDStrategy(num_workers=2, progress_timeout_s=60),
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
+    trainer = _quiet_trainer(RaySGDStrategy(num_workers=2, progress_timeout_s=60))
     data = torch.utils.data.DataLoader(PrintingData(), batch_size=8, num_workers=1)
     trainer.fit(TinyModel(), data)
     assert trainer.global_step == 2
