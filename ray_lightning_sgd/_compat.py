@@ -66,3 +66,28 @@ def set_logger_version(logger: Any, version: Any) -> None:
     it in ``_version``; without this, the driver's copy would pick the next free version)."""
     if version is not None and hasattr(logger, "_version"):
         logger._version = version
+
+
+def committed_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Runs on a worker. The progress bar, callback and logged metrics Lightning last committed.
+
+    Never starts a collective. The Trainer's ``progress_bar_metrics``, ``callback_metrics`` and
+    ``logged_metrics`` properties compute epoch-level metrics on demand, and computing one logged
+    with ``sync_dist=True`` (or a torchmetrics object) syncs it across ranks: a collective. Read on
+    one rank alone, that collective pairs with whatever the other ranks run next (a hang, or two
+    different collectives exchanging the wrong data). The dicts behind those properties hold what
+    Lightning's logger connector committed on every rank at the same points (after each batch, at
+    each epoch end, after each evaluation); reading them is a plain dict read.
+    """
+    connector = trainer._logger_connector
+    return (
+        connector._progress_bar_metrics,
+        connector._callback_metrics,
+        connector._logged_metrics,
+    )
+
+
+def should_check_val_epoch(trainer: Any) -> bool:
+    """Runs on a worker. Whether this training epoch ends with a validation (the TQDM bar's total
+    asks it through the same private method); reads loop counters only, no collective."""
+    return bool(trainer.fit_loop.epoch_loop._should_check_val_epoch())

@@ -2,9 +2,15 @@
 
 Rank 0 runs :class:`EventForwarderBase`, a callback that notes each hook Lightning calls (setup,
 the start and end of every stage and epoch, every batch) with the few counters a progress bar
-reads, and sends them to the run monitor in small batches: every :data:`FLUSH_INTERVAL_S` and at
+reads, and sends them to the run monitor in small batches: every :data:`FLUSH_INTERVAL_S` and after
 every stage or epoch boundary. Only the last event of a batch carries the metrics (progress bar,
 callback and logged metrics), so the step loop pays for no extra device syncs.
+
+The forwarder runs on rank 0 alone, so it must never start a collective: it reads only the metrics
+Lightning has already committed on every rank (:func:`ray_lightning_sgd._compat.committed_metrics`),
+never the Trainer's metric properties, which may sync ``sync_dist=True`` metrics across ranks. An
+event's metrics are read at the next hook, after Lightning committed what that hook's step or epoch
+logged: a driver callback's ``on_validation_epoch_end`` sees that validation's metrics.
 
 On the driver, :class:`DriverReplay` takes the events while it waits for the workers and calls the
 same hooks on the driver's callbacks: the Trainer's own progress bar (which the workers do not
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray import cloudpickle
 
+from ray_lightning_sgd import _compat
 from ray_lightning_sgd._serialization import to_cpu
 
 if TYPE_CHECKING:
@@ -52,17 +59,20 @@ Event = tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any] | None]
 _CALL = "__call__"
 #: The run monitor's actor of the call a worker is running, while it runs one.
 _channel: Any = None
+#: Rank 0's event forwarder during a call that forwards events: what :func:`send_to_driver` sends
+#: goes after the events it holds.
+_forwarder: EventForwarderBase | None = None
 
 
-def open_channel(monitor: Any) -> None:
+def open_channel(monitor: Any, forwarder: EventForwarderBase | None = None) -> None:
     """Runs on each worker. Lets :func:`send_to_driver` reach the driver during the call."""
-    global _channel
-    _channel = monitor
+    global _channel, _forwarder
+    _channel, _forwarder = monitor, forwarder
 
 
 def close_channel() -> None:
-    global _channel
-    _channel = None
+    global _channel, _forwarder
+    _channel, _forwarder = None, None
 
 
 def send_to_driver(function: Any, *args: Any) -> None:
@@ -72,6 +82,8 @@ def send_to_driver(function: Any, *args: Any) -> None:
     A call that failed runs no more of them."""
     if _channel is None:
         raise RuntimeError("send_to_driver works on the workers of a RaySGDStrategy call only")
+    if _forwarder is not None:
+        _forwarder.send_now()  # the driver replays the events before this call, then runs it
     event: Event = (_CALL, (function, args), {}, None)
     ray.get(_channel.add_events.remote(cloudpickle.dumps([event])), timeout=_MONITOR_CALL_S)
 
@@ -90,52 +102,64 @@ def _state(trainer: pl.Trainer) -> dict[str, Any]:
         "num_sanity_val_batches": list(trainer.num_sanity_val_batches),
         "num_test_batches": list(trainer.num_test_batches),
         "num_predict_batches": list(trainer.num_predict_batches),
-        # private, but only on the worker: the TQDM bar's total asks it
-        "should_check_val_epoch": fitting and trainer.fit_loop.epoch_loop._should_check_val_epoch(),
+        "should_check_val_epoch": fitting and _compat.should_check_val_epoch(trainer),
         "should_stop": trainer.should_stop,
     }
 
 
 def _metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    """Runs on rank 0 alone: reads only committed metrics, which starts no collective."""
+    progress_bar, callback, logged = _compat.committed_metrics(trainer)
     loggers = trainer.loggers
     return {
-        "progress_bar": dict(trainer.progress_bar_metrics),
-        "callback": to_cpu(dict(trainer.callback_metrics)),
-        "logged": to_cpu(dict(trainer.logged_metrics)),
+        "progress_bar": dict(progress_bar),
+        "callback": to_cpu(dict(callback)),
+        "logged": to_cpu(dict(logged)),
         "logger_version": loggers[0].version if loggers else None,
     }
 
 
 class EventForwarderBase:
-    """Runs on rank 0. A callback that sends every hook's event to the run monitor."""
+    """Runs on rank 0. A callback that sends every hook's event to the run monitor.
+
+    Each event is sent at the next hook at the earliest: only then has Lightning committed, on
+    every rank, the metrics logged up to the end of the event's hook (see :func:`_metrics`).
+    """
 
     def __init__(self, monitor: Any) -> None:
         super().__init__()
         self._monitor = monitor
+        self._trainer: pl.Trainer | None = None
         self._pending: list[Event] = []
         self._last_flush = 0.0
+        self._after_boundary = False
 
     def _event(self, trainer: pl.Trainer, hook: str, *args: Any, boundary: bool = False) -> None:
+        self._trainer = trainer
+        due = self._after_boundary or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
+        if due:
+            self._flush()
         self._pending.append((hook, args, _state(trainer), None))
-        if boundary or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
-            self._flush(trainer)
+        self._after_boundary = boundary
 
-    def _flush(self, trainer: pl.Trainer, wait: bool = False) -> None:
-        if not self._pending:
+    def _flush(self, wait: bool = False) -> None:
+        if not self._pending or self._trainer is None:
             return
         hook, args, state, _ = self._pending[-1]
-        self._pending[-1] = (hook, args, state, _metrics(trainer))
+        self._pending[-1] = (hook, args, state, _metrics(self._trainer))
         events, self._pending = self._pending, []
         self._last_flush = time.monotonic()
+        self._after_boundary = False
         sent = self._monitor.add_events.remote(cloudpickle.dumps(events))
         if wait:
             # the run's last events reach the monitor before rank 0's result reaches the driver
             ray.get(sent, timeout=_MONITOR_CALL_S)
 
-    def send_now(self, trainer: pl.Trainer) -> None:
-        """Sends what is pending and waits for it (the run is failing); never raises."""
+    def send_now(self) -> None:
+        """Sends what is pending, with the metrics committed so far, and waits for it (before a
+        function sent to the driver, or when the run fails); never raises."""
         try:
-            self._flush(trainer, wait=True)
+            self._flush(wait=True)
         except Exception:
             log.debug("Could not send the last events", exc_info=True)
 
@@ -143,8 +167,9 @@ class EventForwarderBase:
         self._event(trainer, "setup", stage, boundary=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
-        self._pending.append(("teardown", (stage,), _state(trainer), None))
-        self._flush(trainer, wait=True)
+        # the last hook: every metric of the call is committed
+        self._event(trainer, "teardown", stage)
+        self._flush(wait=True)
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._event(trainer, "on_sanity_check_start", boundary=True)

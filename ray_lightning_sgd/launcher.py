@@ -551,15 +551,15 @@ def _run_payload(payload: _Payload, monitor: Any) -> _WorkerOutput:
     output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if monitor is not None and trainer is not None:  # a Trainer's call: its output to the driver
         output = OutputForwarder(monitor, context.rank.global_rank)
+    forwarder = next((cb for cb in ours if isinstance(cb, EventForwarderBase)), None)
     if monitor is not None:
-        open_channel(monitor)
+        open_channel(monitor, forwarder)
     try:
         with output:
             results = payload.function(*args, **kwargs)
     except BaseException:
-        for callback in ours:
-            if isinstance(callback, EventForwarderBase) and trainer is not None:
-                callback.send_now(trainer)  # the driver's view gets the steps before the error
+        if forwarder is not None:
+            forwarder.send_now()  # the driver's view gets the steps before the error
         raise
     finally:
         close_channel()
@@ -626,6 +626,7 @@ def _collect_results(
         results = None  # the driver merges every rank's predictions instead
     if global_rank != 0:
         return _WorkerOutput(None, None, predictions)
+    progress_bar_metrics, callback_metrics, logged_metrics = _compat.committed_metrics(trainer)
     rank_zero = _RankZeroResults(
         state=trainer.state,
         model_state=None if model_state is None else pack(model_state),
@@ -634,9 +635,10 @@ def _collect_results(
         callback_states={
             cb.state_key: _to_cpu(cb.state_dict()) for cb in _callbacks(trainer) if cb.state_dict()
         },
-        callback_metrics=_to_cpu(dict(trainer.callback_metrics)),
-        logged_metrics=_to_cpu(dict(trainer.logged_metrics)),
-        progress_bar_metrics=_to_cpu(dict(trainer.progress_bar_metrics)),
+        # rank 0 alone reads them: the committed dicts, as the properties could start a collective
+        callback_metrics=_to_cpu(dict(callback_metrics)),
+        logged_metrics=_to_cpu(dict(logged_metrics)),
+        progress_bar_metrics=_to_cpu(dict(progress_bar_metrics)),
         should_stop=trainer.should_stop,
         files={},
         logger_versions=[getattr(logger, "version", None) for logger in trainer.loggers],

@@ -126,3 +126,55 @@ class TinyData(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return loader(self.n // 2, self.batch_size)
+
+
+class EpochEndCollectives(pl.LightningModule):
+    """The common Lightning patterns that run collectives at epoch ends, on every rank.
+
+    ``sync_dist=True`` metrics on step and on epoch, a torchmetrics object logged directly,
+    ``self.all_gather`` and a torchmetrics ``compute()`` in ``on_validation_epoch_end`` and
+    ``on_train_epoch_end``. Code of one rank that reads metrics there syncs them alone.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.val_acc = torchmetrics.classification.BinaryAccuracy()
+        self.val_mean = torchmetrics.MeanMetric()
+        self.train_mean = torchmetrics.MeanMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True, on_step=True, on_epoch=True)
+        self.train_mean.update(loss.detach())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.val_acc(logits.argmax(1), y)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+        self.val_mean.update(loss)
+
+    def on_validation_epoch_end(self) -> None:
+        gathered = self.all_gather(torch.tensor([float(self.global_rank + 1)]))
+        self.log("val_gathered", gathered.sum())
+        self.log("val_mean", self.val_mean.compute())
+        self.val_mean.reset()
+
+    def on_train_epoch_end(self) -> None:
+        gathered = self.all_gather(torch.tensor([float(self.global_rank + 2)]))
+        self.log("train_gathered", gathered.sum())
+        self.log("train_mean", self.train_mean.compute())
+        self.train_mean.reset()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -66,3 +66,42 @@ def test_the_strategy_hands_lightning_its_launcher(module):
         "Strategy.launcher no longer returns what _configure_launcher set in _launcher; "
         "update _compat.ConfigureLauncher"
     )
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_keeps_committed_metrics_behind_the_properties(namespace):
+    trainer = importlib.import_module(namespace).Trainer(logger=False)
+    connector = getattr(trainer, "_logger_connector", None)
+    assert connector is not None, (
+        f"{namespace}.Trainer._logger_connector moved; update _compat.committed_metrics"
+    )
+    committed = _compat.committed_metrics(trainer)
+    properties = (trainer.progress_bar_metrics, trainer.callback_metrics, trainer.logged_metrics)
+    for name, dict_, prop in zip(
+        ("_progress_bar_metrics", "_callback_metrics", "_logged_metrics"),
+        committed,
+        properties,
+        strict=True,
+    ):
+        # with no results to compute, each property returns its committed dict itself
+        assert isinstance(dict_, dict) and dict_ is prop, (
+            f"{namespace}'s logger connector no longer keeps {name} behind the Trainer's "
+            "property; update _compat.committed_metrics"
+        )
+    source = inspect.getsource(type(connector))
+    for commit_point in ("def on_batch_end", "def on_epoch_end", "def update_eval_epoch_metrics"):
+        assert commit_point in source, (
+            f"{namespace}'s logger connector has no {commit_point[4:]} any more: check where "
+            "it commits metrics on every rank; update _compat.committed_metrics"
+        )
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_should_check_val_epoch_exists(namespace):
+    trainer = importlib.import_module(namespace).Trainer(logger=False)
+    method = getattr(trainer.fit_loop.epoch_loop, "_should_check_val_epoch", None)
+    assert callable(method), (
+        f"{namespace}'s _TrainingEpochLoop._should_check_val_epoch moved; update "
+        "_compat.should_check_val_epoch"
+    )
+    assert _compat.should_check_val_epoch(trainer) in (True, False)
