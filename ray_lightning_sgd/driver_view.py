@@ -424,9 +424,13 @@ class DriverReplay:
                 self._call(callback, hook, args)
 
     def fail(self, error: BaseException) -> None:
-        """Driver side: the call failed; replays what arrived, then each ``on_exception``."""
+        """Driver side: the call failed; replays what arrived, then each ``on_exception``.
+
+        Functions the workers sent to the driver and that have not run yet do not run: they
+        belong to a call that failed (a Tune report of a step that is lost).
+        """
         try:
-            self.pump()
+            self.pump(run_calls=False)
         except Exception:
             log.debug("Could not fetch rank 0's last events", exc_info=True)
         for callback in list(self._callbacks):
@@ -543,7 +547,8 @@ class OutputForwarder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._saved is not None
+        if self._saved is None:
+            raise RuntimeError("OutputForwarder.__exit__ without __enter__")
         sys.stdout, sys.stderr = self._saved
         for handler, old in self._handlers:
             handler.setStream(old)

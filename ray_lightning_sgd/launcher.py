@@ -21,9 +21,10 @@ import random
 import signal
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -38,6 +39,7 @@ from typing_extensions import override
 from ray_lightning_sgd import _compat, artifacts, cluster, pool
 from ray_lightning_sgd._serialization import Packed, pack, unpack
 from ray_lightning_sgd._serialization import to_cpu as _to_cpu
+from ray_lightning_sgd.controller import Attempts, RunController
 from ray_lightning_sgd.driver_view import (
     PUMP_INTERVAL_S,
     DriverReplay,
@@ -47,7 +49,12 @@ from ray_lightning_sgd.driver_view import (
     open_channel,
 )
 from ray_lightning_sgd.environment import RayEnvironmentBase
-from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError, WorkerDiedError
+from ray_lightning_sgd.exceptions import (
+    ConfigurationError,
+    SerializationError,
+    WorkerDiedError,
+    WorkerGroupError,
+)
 from ray_lightning_sgd.executor import BackendExecutor
 from ray_lightning_sgd.flavour import Flavour
 from ray_lightning_sgd.monitor import (
@@ -116,89 +123,98 @@ class RayLauncherBase(_Base):
         fitting = trainer is not None and trainer.state.fn == _FITTING
         global_state = _GlobalState.capture()
         callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
-        # a Trainer's call always has a monitor: the workers' output and rank 0's events reach the
-        # driver through it
-        needs_monitor = failure.monitored or trainer is not None
-        monitor = None
-        if needs_monitor:
-            timeout = failure.progress_timeout_s
-            monitor = (
-                pool.acquire_monitor(timeout) if strategy.reuse_workers else RunMonitor(timeout)
-            )
-        succeeded = False
-        replay, mirror = None, None
+        monitor = self._monitor_for(trainer)
+        run_id = uuid.uuid4().hex[:12]
+        replay, mirror, succeeded = None, None, False
         try:
             if monitor is not None and trainer is not None:
                 replay = DriverReplay(trainer, callbacks, monitor)
             mirror = artifacts.prepare(trainer) if trainer is not None else None
-        except BaseException:
-            if monitor is not None:
-                monitor.shutdown()
-            raise
-        with _sigterm_raises(strategy.flavour.sigterm_exception):
-            try:
-                failures, resume = 0, None
-                while True:
-                    payload = _Payload(
-                        trainer, function, args, kwargs, global_state, monitor, failure, resume,
-                        forward_events=replay is not None and bool(callbacks),
-                        artifacts=mirror,
-                    )  # fmt: skip
-                    try:
-                        outputs = self._run_once(payload, replay)
-                        succeeded = True
-                        break
-                    except WorkerDiedError as err:
-                        failures += 1
-                        if not failure.monitored or not failure.may_restart(failures):
-                            raise
-                        assert monitor is not None
-                        resume = monitor.resume() if fitting else None
-                        _log_restart(err, failures, failure.max_failures, resume, fitting)
-            except BaseException as err:
-                if replay is not None:
-                    replay.fail(err)
-                raise
-            finally:
-                artifacts.finish(mirror)
-                if monitor is not None and succeeded and strategy.reuse_workers:
-                    pool.release_monitor(monitor)  # kept with the warm workers
-                elif monitor is not None:
-                    monitor.shutdown()
+
+            def payload(resume: ResumePoint | None) -> _Payload:
+                forward_events = replay is not None and bool(callbacks)
+                return _Payload(
+                    trainer, function, args, kwargs, global_state, monitor, failure, resume,
+                    forward_events, mirror, run_id,
+                )  # fmt: skip
+
+            attempts: Attempts[_Attempt, list[_WorkerOutput], ResumePoint] = Attempts(
+                start=lambda resume: self._start_attempt(payload(resume)),
+                run=functools.partial(self._run_attempt, monitor=monitor, replay=replay),
+                stop=self._stop_attempt,
+                resume_point=lambda: monitor.resume() if fitting and monitor is not None else None,
+            )
+            controller = RunController(
+                attempts,
+                max_failures=failure.max_failures if failure.monitored else 0,
+                on_restart=functools.partial(
+                    _log_restart, max_failures=failure.max_failures, fitting=fitting
+                ),
+            )
+            with _sigterm_raises(strategy.flavour.sigterm_exception):
+                try:
+                    outputs = controller.run()
+                except BaseException as err:
+                    if replay is not None:
+                        replay.fail(err)
+                    raise
+            succeeded = True
+        finally:
+            _finish_launch(monitor, mirror, keep_monitor=succeeded and strategy.reuse_workers)
         if trainer is None:
             return outputs[0].results
         return _recover_results_in_driver(trainer, outputs)
 
-    def _run_once(self, payload: _Payload, replay: DriverReplay | None) -> list[_WorkerOutput]:
+    def _monitor_for(self, trainer: pl.Trainer | None) -> RunMonitor | None:
+        """Driver side: the run monitor of a call (kept with warm workers), or None.
+
+        A Trainer's call always has one: the workers' output and rank 0's events reach the driver
+        through it.
+        """
+        failure = self._strategy.failure_config
+        if not failure.monitored and trainer is None:
+            return None
+        timeout = failure.progress_timeout_s
+        return (
+            pool.acquire_monitor(timeout) if self._strategy.reuse_workers else RunMonitor(timeout)
+        )
+
+    def _start_attempt(self, payload: _Payload) -> _Attempt:
+        """Driver side: pickles the payload, puts it into the object store and, meanwhile, starts
+        (or takes warm) workers."""
         # pickled here, so that what cannot be pickled fails before any worker starts; the monitor
         # stays here: its actor handle goes with the call, made once the workers are up
-        monitor = payload.monitor
         packed = _pack(payload._replace(monitor=None))
-        succeeded = False
-        with ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put") as putter:
-            # the copy into the object store overlaps the workers' start
-            shipped = putter.submit(ray.put, packed)
-            del packed
-            try:
-                executor = self._start_executor()
-                watch = None
-                if monitor is not None:
-                    monitor.start_attempt(len(executor.worker_group))
-                    group = executor.worker_group
-                    watch = functools.partial(_watch, monitor, group.metadata, replay)
-                interval = PUMP_INTERVAL_S if replay is not None else 1.0
-                actor = None if monitor is None else monitor.actor
-                results = executor.run(
-                    _run_on_worker, shipped.result(), actor, watch=watch, watch_interval_s=interval
-                )
-                if replay is not None:
-                    replay.pump()  # the last events: rank 0 sent them before it returned
-                outputs = [unpack(out) for out in results]
-                succeeded = True
-            finally:
-                del shipped
-                self._stop_executor(reuse=succeeded)
-        return outputs
+        putter = ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put")
+        shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
+        putter.shutdown(wait=False)
+        del packed
+        return _Attempt(self._start_executor(), shipped)
+
+    def _run_attempt(
+        self, attempt: _Attempt, monitor: RunMonitor | None, replay: DriverReplay | None
+    ) -> list[_WorkerOutput]:
+        """Driver side: runs the payload on every worker; replays events while it waits."""
+        executor = attempt.executor
+        watch = None
+        if monitor is not None:
+            monitor.start_attempt(len(executor.worker_group))
+            watch = functools.partial(_watch, monitor, executor.worker_group.metadata, replay)
+        interval = PUMP_INTERVAL_S if replay is not None else 1.0
+        actor = None if monitor is None else monitor.actor
+        if attempt.shipped is None:
+            raise WorkerGroupError("an attempt runs once")
+        packed = attempt.shipped.result()
+        results = executor.run(
+            _run_on_worker, packed, actor, watch=watch, watch_interval_s=interval
+        )
+        if replay is not None:
+            replay.pump()  # the last events: rank 0 sent them before it returned
+        return [unpack(out) for out in results]
+
+    def _stop_attempt(self, attempt: _Attempt, succeeded: bool) -> None:
+        attempt.shipped = None  # the payload may leave the object store
+        self._stop_executor(reuse=succeeded)
 
     def _start_executor(self) -> BackendExecutor:
         strategy = self._strategy
@@ -206,6 +222,8 @@ class RayLauncherBase(_Base):
             executor, warm = pool.acquire(strategy.backend_config, strategy.worker_group_config)
             log.debug("%s workers for this call", "warm" if warm else "new")
         else:
+            # at most one group per process: idle warm workers would hold the resources
+            pool.shutdown()
             executor = BackendExecutor(strategy.backend_config, strategy.worker_group_config)
             self._executor = executor
             executor.start()
@@ -232,6 +250,32 @@ class RayLauncherBase(_Base):
         state = self.__dict__.copy()
         state["_executor"] = None  # the driver's handles stay on the driver
         return state
+
+
+@dataclass
+class _Attempt:
+    """Driver side: one attempt's running workers and its payload in the object store."""
+
+    executor: BackendExecutor
+    shipped: Future[ray.ObjectRef] | None
+
+
+def _finish_launch(monitor: RunMonitor | None, mirror: Any, keep_monitor: bool) -> None:
+    """Driver side, on every path out of a launch: ends the artifacts' probe and keeps or stops
+    the run monitor. What fails here is logged: it must not replace the call's own error."""
+    try:
+        artifacts.finish(mirror)
+    except Exception:
+        log.warning("Could not remove the artifacts' probe file", exc_info=True)
+    if monitor is None:
+        return
+    try:
+        if keep_monitor:
+            pool.release_monitor(monitor)  # kept with the warm workers
+        else:
+            monitor.shutdown()
+    except Exception:
+        log.warning("Could not stop the run monitor", exc_info=True)
 
 
 def _watch(monitor: RunMonitor, metadata: list[Any], replay: DriverReplay | None) -> None:
@@ -305,6 +349,9 @@ class _Payload(NamedTuple):
     forward_events: bool = False
     #: Where the driver expects rank 0's logs and checkpoints.
     artifacts: artifacts.Artifacts | None = None
+    #: This launch's own name: its resume checkpoints in ``checkpoint_storage`` go in a folder of
+    #: that name, so that runs sharing the storage (Tune trials) never overwrite each other's.
+    run_id: str = ""
 
 
 class _RankZeroResults(NamedTuple):
@@ -521,7 +568,8 @@ def _run_payload(payload: _Payload, monitor: Any) -> _WorkerOutput:
     if trainer is not None:
         strategy = trainer.strategy
         environment = getattr(strategy, "cluster_environment", None)
-        assert isinstance(environment, RayEnvironmentBase), environment
+        if not isinstance(environment, RayEnvironmentBase):
+            raise TypeError(f"the Trainer's strategy has no RayEnvironment, but {environment!r}")
         flavour: Flavour = strategy.flavour  # type: ignore[attr-defined]
         environment.assign(context.rank, context.device_index)
         on_gpu = context.device_index is not None
@@ -543,6 +591,8 @@ def _run_payload(payload: _Payload, monitor: Any) -> _WorkerOutput:
                 failure = payload.failure
                 resume_callback = _callback_class(flavour, ResumeCheckpointBase)
                 every, storage = failure.checkpoint_every_n_epochs, failure.checkpoint_storage
+                if storage is not None:
+                    storage = f"{storage.rstrip('/')}/run-{payload.run_id}"
                 ours.append(resume_callback(monitor, every, storage))
             if fitting and payload.resume is not None:
                 resume_file = materialise(payload.resume)
@@ -571,7 +621,6 @@ def _run_payload(payload: _Payload, monitor: Any) -> _WorkerOutput:
         _callbacks(trainer).remove(callback)
     collected = _collect_results(trainer, results, context.rank.global_rank, recorder)
     if collected.rank_zero is not None:
-        assert trainer is not None
         files = artifacts.collect(payload.artifacts, trainer, started)
         collected = collected._replace(rank_zero=collected.rank_zero._replace(files=files))
     return collected
@@ -595,8 +644,9 @@ def _with_ckpt_path(
 def _log_restart(
     err: WorkerDiedError,
     failures: int,
-    max_failures: int,
     resume: ResumePoint | None,
+    *,
+    max_failures: int,
     fitting: bool,
 ) -> None:
     limit = "no limit" if max_failures == -1 else f"of max_failures={max_failures}"
@@ -649,7 +699,8 @@ def _collect_results(
 def _recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[_WorkerOutput]) -> Any:
     """Driver side: copies rank 0's results into the Trainer and model; returns the call's result."""
     rank_zero = outputs[0].rank_zero
-    assert rank_zero is not None, "rank 0 always sends its results"
+    if rank_zero is None:
+        raise WorkerGroupError("rank 0 sent no results back: the worker's half is out of step")
     artifacts.write(rank_zero.files)
     for logger, version in zip(trainer.loggers, rank_zero.logger_versions, strict=False):
         _compat.set_logger_version(logger, version)

@@ -307,6 +307,15 @@ class ResumeCheckpointBase:
         self._every = every_n_epochs
         self._storage = storage
 
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the run is over: its resume checkpoint (in its own folder of the storage) is not needed
+        if self._storage is not None and trainer.global_rank == 0:
+            import fsspec  # on the worker only: the run monitor's actor imports this module too
+
+            filesystem, path = fsspec.core.url_to_fs(self._storage)
+            if filesystem.exists(path):
+                filesystem.rm(path, recursive=True)
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self._every:
             return
@@ -337,7 +346,8 @@ def materialise(point: ResumePoint) -> str:
     """Runs on each worker. Returns a path Lightning can resume from (a local copy of the bytes)."""
     if point.uri is not None:
         return point.uri
-    assert point.data is not None
+    if point.data is None:
+        raise ValueError("a resume point holds either a uri or the checkpoint's bytes")
     fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
     with os.fdopen(fd, "wb") as file:
         file.write(point.data)

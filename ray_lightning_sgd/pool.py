@@ -100,18 +100,25 @@ def acquire(
             _idle.remove(match)
         others = list(_idle)
         _idle.clear()
-    _shut_down(others, session)
-    if match is not None:
-        if match.executor.is_alive(_HEALTH_CHECK_S):
+    try:
+        _shut_down(others, session)
+        if match is not None and match.executor.is_alive(_HEALTH_CHECK_S):
             log.debug("Reusing warm worker group %s", match.executor.worker_group.name)
             return match.executor, True
+    except BaseException:
+        # interrupted (Ctrl-C) while it held groups no list knows of any more: none may leak
+        for idle in [*others, *([match] if match is not None else [])]:
+            idle.executor.shutdown(graceful=False)
+        _drop_monitor_if_unused()
+        raise
+    if match is not None:
         log.info(
             "The idle workers of %s stopped answering; starting new ones",
             match.executor.worker_group.name,
         )
         match.executor.shutdown(graceful=False)
     executor = BackendExecutor(backend_config, worker_group_config)
-    executor.start()
+    executor.start()  # shuts its workers down itself when it fails or is interrupted
     return executor, False
 
 
@@ -177,6 +184,7 @@ def _shut_down(idle: list[_Idle], session: tuple[str, str] | None) -> None:
         if item.session != session:
             continue  # its Ray session ended, and its actors with it
         try:
+            # an executor that is shut down already (an earlier interrupted attempt) returns
             item.executor.shutdown(graceful=True)
         except RaySGDError as err:  # a worker died while idle; shutdown killed the rest
             log.debug(

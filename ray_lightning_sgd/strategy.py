@@ -243,7 +243,11 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
     @property
     def ray_environment(self) -> RayEnvironmentBase:
         """The cluster environment that holds this worker's rank and device."""
-        assert isinstance(self.cluster_environment, RayEnvironmentBase), self.cluster_environment
+        if not isinstance(self.cluster_environment, RayEnvironmentBase):
+            raise TypeError(
+                "RaySGDStrategy needs its own cluster environment (RayEnvironment), got "
+                f"{self.cluster_environment!r}"
+            )
         return self.cluster_environment
 
     @property

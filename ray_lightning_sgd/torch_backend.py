@@ -82,7 +82,8 @@ class TorchBackend(Backend):
     """Sets up and tears down the ``torch.distributed`` process group on every worker."""
 
     def on_start(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
-        assert isinstance(backend_config, TorchConfig), backend_config
+        if not isinstance(backend_config, TorchConfig):
+            raise TypeError(f"TorchBackend takes a TorchConfig, got {backend_config!r}")
         use_gpu = any(meta.gpu_ids for meta in worker_group.metadata)
         backend = backend_config.resolve_backend(use_gpu)
         # every worker imports torch now, at once; else each would on its first call, one by one

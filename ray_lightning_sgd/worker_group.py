@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 import traceback
 import uuid
@@ -60,6 +61,8 @@ _WATCH_INTERVAL_S = 1.0
 _PEER_LOSS_GRACE_S = 5.0
 # words of the errors torch.distributed raises on a rank whose peer vanished
 _PEER_LOSS_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+#: The attribute a worker sets on an exception raised inside ``torch.distributed``.
+_IN_COLLECTIVE = "_ray_lightning_sgd_in_collective"
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,23 @@ class _Worker:
                     f"{_context.metadata.node_id[:12]}, {where})"
                 )
             err.add_note(f"Raised on {where}. Worker traceback:\n{traceback.format_exc()}")
+            if _raised_inside_torch(err):
+                # travels with the exception (its __dict__ is pickled): the driver may blame a
+                # lost peer for it, never for an error of user code that reads alike
+                setattr(err, _IN_COLLECTIVE, True)
             raise
+
+
+def _raised_inside_torch(err: BaseException) -> bool:
+    """Runs on each worker. Whether ``err`` came out of torch itself: its innermost Python frame
+    is in the torch package (``torch.distributed``, or the autograd engine whose backward runs
+    DDP's all-reduce in C++), not in user code."""
+    torch = sys.modules.get("torch")
+    frames = traceback.extract_tb(err.__traceback__)
+    if torch is None or torch.__file__ is None or not frames:
+        return False
+    package = os.path.dirname(torch.__file__) + os.sep
+    return frames[-1].filename.startswith(package)
 
 
 class _State(enum.Enum):
@@ -464,8 +483,12 @@ class WorkerGroup:
 
 
 def _may_follow_a_lost_peer(error: BaseException) -> bool:
-    """Whether ``error`` looks like a collective that failed because another rank vanished."""
-    if isinstance(error, WorkerGroupError):
+    """Whether ``error`` looks like a collective that failed because another rank vanished.
+
+    Only an error the worker saw raised inside torch qualifies: a user's own
+    ``RuntimeError("broken pipe")`` is raised as it is, at once.
+    """
+    if isinstance(error, WorkerGroupError) or not getattr(error, _IN_COLLECTIVE, False):
         return False
     if type(error).__name__ in ("DistBackendError", "DistNetworkError"):
         return True
@@ -491,6 +514,8 @@ def _blame_a_lost_peer(
                 died = _translate(err, metadata, _actor_of(ref))
                 if isinstance(died, WorkerDiedError):
                     died.add_note(f"Another rank failed first, as it lost its peer: {error!r}")
+                    for note in getattr(error, "__notes__", ()):
+                        died.add_note(note)  # which rank, and its worker traceback
                     return died, _chain(err)
     return error, cause
 

@@ -40,27 +40,42 @@ def our_deprecations_as_errors() -> str:
 def start_local_ray() -> None:
     if not ray.is_initialized():
         _compat.bind_local_ray_to_loopback()
+        # Ray's processes, its workers among them, inherit the environment of the process that
+        # starts the local cluster (a job's runtime_env would do the same, at a cost per worker)
+        os.environ["PYTHONWARNINGS"] = our_deprecations_as_errors()
         ray.init(
             address="local",
             num_cpus=CLUSTER_CPUS,
             num_gpus=CLUSTER_FAKE_GPUS,
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONWARNINGS": our_deprecations_as_errors()}},
         )
 
 
 @pytest.fixture
 def ray_cluster():
-    """A running local Ray cluster, shared by every test that asks for it."""
+    """A running local Ray cluster, shared by every test that asks for it.
+
+    Idle warm workers stay up from one test to the next, as they would between a user's calls:
+    starting workers is most of a small test's time on two cores. Anything else a test leaves
+    running fails it.
+    """
     start_local_ray()
     yield
-    assert_only_idle_workers_left()
+    assert_only_idle_workers_left(release=False)
 
 
-def assert_only_idle_workers_left() -> int:
+@pytest.fixture
+def free_cluster(ray_cluster):
+    """The shared cluster without idle workers holding its CPUs: for tests that start workers
+    outside this process's pool (a WorkerGroup of their own, a Tune trial, another driver)."""
+    pool.shutdown()
+    yield
+
+
+def assert_only_idle_workers_left(release: bool = True) -> int:
     """Checks that every live actor and placement group of ours is an idle warm group, then stops
-    those; returns how many idle groups there were."""
+    those unless ``release`` is False; returns how many idle groups there were."""
     # warm workers may stay up, but only as idle groups the pool knows; anything else is a leak
     idle = pool.idle_group_names()
     monitor = pool.idle_monitor_name()
@@ -69,6 +84,8 @@ def assert_only_idle_workers_left() -> int:
     kept = idle + ([monitor] if monitor else [])
     unknown = [name for name in actors + groups if not any(name.startswith(g) for g in kept)]
     assert unknown == [], "a test left actors or placement groups of ours running"
+    if not release:
+        return len(idle)
     pool.shutdown()
     assert leftovers() == ([], []), "shutting the idle workers down left some running"
     return len(idle)

@@ -105,3 +105,18 @@ def test_lightning_should_check_val_epoch_exists(namespace):
         "_compat.should_check_val_epoch"
     )
     assert _compat.should_check_val_epoch(trainer) in (True, False)
+
+
+def test_no_assert_guards_runtime_behaviour():
+    # asserts vanish under python -O; the package raises errors that say what went wrong
+    import ast
+    from pathlib import Path
+
+    import ray_lightning_sgd
+
+    found = []
+    for path in Path(ray_lightning_sgd.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assert):
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == [], f"assert statements in the package: {found}"

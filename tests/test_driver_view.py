@@ -248,3 +248,27 @@ def test_prints_in_forked_dataloader_workers_do_not_block(ray_cluster):
     data = torch.utils.data.DataLoader(PrintingData(), batch_size=8, num_workers=1)
     trainer.fit(TinyModel(), data)
     assert trainer.global_step == 2
+
+
+def _note_on_the_driver(path: str) -> None:
+    Path(path).write_text("ran")
+
+
+def test_after_a_failure_no_queued_driver_call_runs(ray_cluster, tmp_path):
+    import ray
+    from ray import cloudpickle
+
+    from ray_lightning_sgd.driver_view import _CALL, DriverReplay
+    from ray_lightning_sgd.monitor import RunMonitor
+
+    marker = tmp_path / "ran"
+    monitor = RunMonitor(None)
+    try:
+        # rank 0 sent a function to run on the driver (a Tune report), then the call failed
+        event = (_CALL, (_note_on_the_driver, (str(marker),)), {}, None)
+        ray.get(monitor.actor.add_events.remote(cloudpickle.dumps([event])))
+        replay = DriverReplay(pl.Trainer(logger=False), [], monitor)
+        replay.fail(RuntimeError("a rank failed"))
+        assert not marker.exists(), "a failed call ran a function its workers had sent"
+    finally:
+        monitor.shutdown()

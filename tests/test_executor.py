@@ -20,7 +20,7 @@ def _fail() -> None:
     raise RuntimeError("worker says no")
 
 
-def test_lifecycle_runs_and_always_shuts_down(ray_cluster):
+def test_lifecycle_runs_and_always_shuts_down(free_cluster):
     executor = BackendExecutor(BackendConfig(), WorkerGroupConfig(num_workers=2))
     assert executor.state is ExecutorState.NEW
     with pytest.raises(WorkerGroupError, match="call start\\(\\) first"):
@@ -36,7 +36,7 @@ def test_lifecycle_runs_and_always_shuts_down(ray_cluster):
         executor.start()
 
 
-def test_init_hook_runs_on_every_worker_and_its_failure_cleans_up(ray_cluster):
+def test_init_hook_runs_on_every_worker_and_its_failure_cleans_up(free_cluster):
     config = WorkerGroupConfig(num_workers=2, init_hook=_fail)
     with pytest.raises(RuntimeError, match="worker says no"):
         BackendExecutor(BackendConfig(), config).start()

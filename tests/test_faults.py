@@ -145,13 +145,32 @@ def test_restarts_stop_after_max_failures(ray_cluster, tmp_path):
         _fit(Faulty(rank=0, step=1), RaySGDStrategy(num_workers=2, max_failures=1))
 
 
-def test_a_resume_checkpoint_in_storage(ray_cluster, tmp_path):
+def test_a_resume_checkpoint_in_storage(ray_cluster, tmp_path, caplog):
     marker = str(tmp_path / "failed-once")
     storage = tmp_path / "resume"
     strategy = RaySGDStrategy(num_workers=2, max_failures=1, checkpoint_storage=str(storage))
-    trainer = _fit(Faulty(rank=0, step=8, marker=marker), strategy)
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        trainer = _fit(Faulty(rank=0, step=8, marker=marker), strategy)
     assert trainer.global_step == 18
-    assert (storage / "resume.ckpt").exists()
+    assert "fit resumes after epoch 0 (global step 6)" in caplog.text
+    # the run's own folder of the storage held it; a run that succeeded leaves nothing there
+    assert list(storage.rglob("*.ckpt")) == []
+
+
+def test_runs_sharing_a_checkpoint_storage_keep_their_own_checkpoints(ray_cluster, tmp_path):
+    storage = tmp_path / "resume"
+
+    def strategy() -> RaySGDStrategy:
+        return RaySGDStrategy(num_workers=2, max_failures=1, checkpoint_storage=str(storage))
+
+    # the first run fails for good (at step 8 on every attempt) and leaves its checkpoint
+    with pytest.raises(WorkerDiedError):
+        _fit(Faulty(rank=0, step=8), strategy())
+    left = {path: path.read_bytes() for path in storage.rglob("*.ckpt")}
+    assert len(left) == 1
+    # a second run (another Tune trial, say) with the same storage must not overwrite it
+    assert _fit(TinyModel(), strategy()).global_step == 18
+    assert {path: path.read_bytes() for path in storage.rglob("*.ckpt")} == left
 
 
 def test_a_checkpoint_of_two_workers_resumes_on_one(ray_cluster, tmp_path):

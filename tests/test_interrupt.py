@@ -50,7 +50,7 @@ except SystemExit:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_to_the_driver_stops_every_worker(ray_cluster, tmp_path, signum):
+def test_a_signal_to_the_driver_stops_every_worker(free_cluster, tmp_path, signum):
     started = tmp_path / "started"
     env = dict(os.environ)
     env.update(

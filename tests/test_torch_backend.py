@@ -22,7 +22,7 @@ def _is_initialized() -> bool:
 
 
 @pytest.mark.parametrize("init_method", ["env", "tcp"])
-def test_every_worker_joins_one_process_group(ray_cluster, init_method):
+def test_every_worker_joins_one_process_group(free_cluster, init_method):
     executor = BackendExecutor(
         TorchConfig(init_method=init_method), WorkerGroupConfig(num_workers=2)
     )

@@ -42,7 +42,7 @@ def _trial(config: dict) -> None:
     assert leftovers()[1] == []
 
 
-def test_a_tuner_runs_trials_with_the_strategy(ray_cluster, tmp_path):
+def test_a_tuner_runs_trials_with_the_strategy(free_cluster, tmp_path):
     resources = _strategy().tune_resources()
     assert resources.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]  # the trial's own process: nothing
     assert resources.head_bundle_is_empty
@@ -70,7 +70,7 @@ def test_a_tuner_runs_trials_with_the_strategy(ray_cluster, tmp_path):
     assert leftovers() == ([], [])
 
 
-def test_a_trial_the_cluster_cannot_hold_is_refused_at_once(ray_cluster):
+def test_a_trial_the_cluster_cannot_hold_is_refused_at_once(free_cluster):
     with pytest.raises(ResourcesUnavailableError, match="cannot place 8 workers"):
         RaySGDStrategy(num_workers=8).tune_resources()
 

@@ -120,3 +120,21 @@ def test_ways_to_release_the_workers(ray_cluster):
 
 def _namespace() -> str:
     return ray.get_runtime_context().namespace
+
+
+def test_an_interrupt_while_choosing_warm_workers_leaks_nothing(ray_cluster, monkeypatch):
+    from ray_lightning_sgd.executor import BackendExecutor
+
+    _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(), loader())
+    assert len(pool.idle_group_names()) == 1
+
+    def interrupted(self, timeout_s):
+        raise KeyboardInterrupt  # Ctrl-C while the idle group's health is checked
+
+    monkeypatch.setattr(BackendExecutor, "is_alive", interrupted)
+    strategy = RaySGDStrategy(num_workers=2)
+    with pytest.raises(KeyboardInterrupt):
+        # what the launcher calls first (Lightning turns the interrupt into its own exit)
+        pool.acquire(strategy.backend_config, strategy.worker_group_config)
+    assert pool.idle_group_names() == []
+    assert leftovers() == ([], []), "the idle group taken out of the pool was left running"

@@ -71,7 +71,7 @@ def test_constructors_touch_no_ray_state():
     assert "initialized False" in out.stdout, out.stderr[-2000:]
 
 
-def test_execute_runs_everywhere_in_rank_order(ray_cluster):
+def test_execute_runs_everywhere_in_rank_order(free_cluster):
     group = WorkerGroup(WorkerGroupConfig(num_workers=2, worker_env={"MY_FLAG": "on"}))
     group.start()
     try:
@@ -81,6 +81,11 @@ def test_execute_runs_everywhere_in_rank_order(ray_cluster):
         assert len({pid for *_, pid in results}) == 2
         assert group.execute_single(1, _context)[0].global_rank == 1
         assert group.execute(_env, "MY_FLAG") == ["on", "on"]
+        # the suite's own setting (conftest): our deprecations are errors in the workers too
+        assert (
+            "error::DeprecationWarning:ray_lightning_sgd"
+            in group.execute(_env, "PYTHONWARNINGS")[0]
+        )
         assert ray.get(group.execute_single_async(0, sum, [1, 2])) == 3
         assert leftovers()[0], "the workers are named actors while they run"
     finally:
@@ -90,7 +95,7 @@ def test_execute_runs_everywhere_in_rank_order(ray_cluster):
         group.execute(_context)
 
 
-def test_a_failing_rank_reaches_the_driver_at_once(ray_cluster):
+def test_a_failing_rank_reaches_the_driver_at_once(free_cluster):
     group = WorkerGroup(WorkerGroupConfig(num_workers=2))
     group.start()
     try:
@@ -105,7 +110,7 @@ def test_a_failing_rank_reaches_the_driver_at_once(ray_cluster):
         group.shutdown()
 
 
-def test_a_lost_result_names_the_rank_that_made_it(ray_cluster):
+def test_a_lost_result_names_the_rank_that_made_it(free_cluster):
     # Ray's errors for a lost object (its node left before the driver fetched it) name no actor;
     # the rank comes from the task that made the object
     from ray.exceptions import ObjectLostError
@@ -129,7 +134,7 @@ def test_a_lost_result_names_the_rank_that_made_it(ray_cluster):
         group.shutdown()
 
 
-def test_gpus_are_shared_per_node_and_picked_by_position(ray_cluster):
+def test_gpus_are_shared_per_node_and_picked_by_position(free_cluster):
     group = WorkerGroup(WorkerGroupConfig(num_workers=2, resources_per_worker={"CPU": 1, "GPU": 1}))
     group.start()
     try:
@@ -140,7 +145,7 @@ def test_gpus_are_shared_per_node_and_picked_by_position(ray_cluster):
     assert [index for _, index, _, _ in results] == [0, 1]
 
 
-def test_fractional_gpus_share_a_device(ray_cluster):
+def test_fractional_gpus_share_a_device(free_cluster):
     group = WorkerGroup(
         WorkerGroupConfig(
             num_workers=2,
@@ -168,7 +173,7 @@ def test_fractional_gpus_share_a_device(ray_cluster):
     ],
 )
 def test_impossible_requests_fail_fast_and_name_the_cluster(
-    ray_cluster, resources, strategy, expected
+    free_cluster, resources, strategy, expected
 ):
     group = WorkerGroup(
         WorkerGroupConfig(
@@ -183,7 +188,7 @@ def test_impossible_requests_fail_fast_and_name_the_cluster(
     assert "the cluster has {'CPU': 2.0, 'GPU': 2.0} in total" in str(info.value)
 
 
-def test_busy_cluster_times_out_within_startup_timeout(ray_cluster):
+def test_busy_cluster_times_out_within_startup_timeout(free_cluster):
     hog = WorkerGroup(WorkerGroupConfig(num_workers=2))
     hog.start()
     try:
@@ -194,3 +199,48 @@ def test_busy_cluster_times_out_within_startup_timeout(ray_cluster):
         assert time.monotonic() - start < 5
     finally:
         hog.shutdown()
+
+
+def _user_broken_pipe_then_exit():
+    if get_worker_context().rank.global_rank == 0:
+        raise RuntimeError("Broken pipe while writing my own file")  # user code, no collective
+    time.sleep(2.0)
+    os._exit(1)
+
+
+def _exit_soon():
+    time.sleep(0.5)
+    os._exit(1)
+
+
+def test_lost_peers_are_blamed_for_collective_errors_only(free_cluster):
+    from ray_lightning_sgd.worker_group import _blame_a_lost_peer
+
+    group = WorkerGroup(WorkerGroupConfig(num_workers=2))
+    group.start()
+    try:
+        # a user's RuntimeError that reads like a lost peer is raised as it is, at once, even
+        # when another rank dies just after
+        group.execute(_env, "PATH")  # the workers import this module first
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="Broken pipe while writing") as info:
+            group.execute(_user_broken_pipe_then_exit)
+        assert not isinstance(info.value, WorkerDiedError)
+        assert time.monotonic() - start < 1.5, "the driver waited for another rank's death"
+    finally:
+        group.shutdown()
+
+    group = WorkerGroup(WorkerGroupConfig(num_workers=2))
+    group.start()
+    try:
+        # a collective's error of rank 0 becomes rank 1's death; rank 0's traceback stays
+        survivor = RuntimeError("Connection closed by peer [127.0.0.1]:4515")
+        survivor.add_note("Raised on rank 0 of 2. Worker traceback:\n  in all_reduce\n")
+        pending = [group.execute_single_async(1, _exit_soon)]
+        died, _ = _blame_a_lost_peer(pending, group.metadata, survivor, None)
+        assert isinstance(died, WorkerDiedError) and died.rank == 1
+        notes = "\n".join(died.__notes__)
+        assert "lost its peer" in notes
+        assert "Worker traceback:" in notes and "in all_reduce" in notes
+    finally:
+        group.shutdown()

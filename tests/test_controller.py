@@ -1,0 +1,156 @@
+"""The run controller against fake executors: no Ray, no Lightning."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_lightning_sgd.controller import Attempts, RunController, RunState
+from ray_lightning_sgd.exceptions import RaySGDError, WorkerDiedError
+
+
+class FakeExecutor:
+    """Stands for a started executor: records how it was stopped."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.stopped: bool | None = None  # True: kept warm, False: killed
+
+
+class Script:
+    """Attempts that follow a script: each entry is what one attempt's run does."""
+
+    def __init__(self, *outcomes, resume_points=(), stop_error: Exception | None = None) -> None:
+        self.outcomes = list(outcomes)
+        self.resume_points = list(resume_points)
+        self.stop_error = stop_error
+        self.executors: list[FakeExecutor] = []
+        self.resumed_from: list[object] = []
+
+    def start(self, resume) -> FakeExecutor:
+        self.resumed_from.append(resume)
+        executor = FakeExecutor(len(self.executors))
+        self.executors.append(executor)
+        return executor
+
+    def run(self, executor: FakeExecutor):
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def stop(self, executor: FakeExecutor, succeeded: bool) -> None:
+        executor.stopped = succeeded
+        if self.stop_error is not None:
+            raise self.stop_error
+
+    def resume_point(self):
+        return self.resume_points.pop(0) if self.resume_points else None
+
+    def controller(self, max_failures: int = 0, on_restart=None) -> RunController:
+        attempts = Attempts(self.start, self.run, self.stop, self.resume_point)
+        return RunController(attempts, max_failures=max_failures, on_restart=on_restart)
+
+
+def died(rank: int = 1) -> WorkerDiedError:
+    return WorkerDiedError(f"the worker of rank {rank} died", rank=rank, node_id="n")
+
+
+def test_a_successful_attempt_keeps_its_workers():
+    script = Script("result")
+    controller = script.controller()
+    assert controller.run() == "result"
+    assert controller.state is RunState.SUCCEEDED
+    assert [e.stopped for e in script.executors] == [True]
+
+
+def test_a_lost_worker_restarts_and_the_next_attempt_resumes():
+    restarts = []
+    script = Script(died(), died(0), "done", resume_points=["epoch 1", "epoch 3"])
+    controller = script.controller(max_failures=2, on_restart=lambda *a: restarts.append(a))
+    assert controller.run() == "done"
+    assert script.resumed_from == [None, "epoch 1", "epoch 3"]
+    # a failed attempt's workers are killed, never kept; each attempt has new ones
+    assert [e.stopped for e in script.executors] == [False, False, True]
+    assert [(failures, point) for _, failures, point in restarts] == [
+        (1, "epoch 1"),
+        (2, "epoch 3"),
+    ]
+    assert controller.failures == 2 and controller.state is RunState.SUCCEEDED
+
+
+def test_the_run_gives_up_after_max_failures():
+    last = died(0)
+    script = Script(died(), last, "never reached")
+    controller = script.controller(max_failures=1)
+    with pytest.raises(WorkerDiedError) as raised:
+        controller.run()
+    assert raised.value is last
+    assert controller.state is RunState.FAILED and len(script.executors) == 2
+
+
+def test_no_limit_restarts_until_success():
+    script = Script(*[died() for _ in range(5)], "done")
+    assert script.controller(max_failures=-1).run() == "done"
+    assert len(script.executors) == 6
+
+
+def test_without_restarts_a_lost_worker_is_raised():
+    script = Script(died(), "never reached")
+    with pytest.raises(WorkerDiedError):
+        script.controller(max_failures=0).run()
+    assert len(script.executors) == 1
+
+
+@pytest.mark.parametrize("error", [ValueError("in user code"), KeyboardInterrupt()])
+def test_a_user_exception_or_an_interrupt_is_never_retried(error):
+    script = Script(error, "never reached")
+    controller = script.controller(max_failures=3)
+    with pytest.raises(type(error)):
+        controller.run()
+    assert len(script.executors) == 1 and script.executors[0].stopped is False
+    assert controller.state is RunState.FAILED
+
+
+def test_a_cleanup_error_never_replaces_the_error_that_caused_it():
+    original = ValueError("the real problem")
+    script = Script(original, stop_error=RuntimeError("could not kill"))
+    with pytest.raises(ValueError) as raised:
+        script.controller().run()
+    assert raised.value is original
+    assert any("could not kill" in note for note in raised.value.__notes__)
+
+
+def test_a_cleanup_error_after_success_keeps_the_result(caplog):
+    script = Script("result", stop_error=RuntimeError("could not keep"))
+    assert script.controller().run() == "result"
+    assert "could not keep" in caplog.text
+
+
+def test_a_failing_resume_point_fails_the_run():
+    class Broken(Script):
+        def resume_point(self):
+            raise OSError("storage gone")
+
+    script = Broken(died(), "never reached")
+    controller = script.controller(max_failures=1)
+    with pytest.raises(OSError, match="storage gone"):
+        controller.run()
+    assert controller.state is RunState.FAILED
+
+
+def test_a_controller_runs_once():
+    controller = Script("result").controller()
+    controller.run()
+    with pytest.raises(RaySGDError, match="runs once; this one is succeeded"):
+        controller.run()
+
+
+def test_a_failing_start_stops_nothing_and_is_not_retried_unless_a_worker_died():
+    class NoStart(Script):
+        def start(self, resume):
+            raise OSError("cluster gone")
+
+    script = NoStart("never reached")
+    with pytest.raises(OSError):
+        script.controller(max_failures=2).run()
+    assert script.executors == []
