@@ -83,7 +83,8 @@ def send_to_driver(function: Any, *args: Any) -> None:
     if _channel is None:
         raise RuntimeError("send_to_driver works on the workers of a RaySGDStrategy call only")
     if _forwarder is not None:
-        _forwarder.send_now()  # the driver replays the events before this call, then runs it
+        # the driver replays the events before this call, then runs it
+        _forwarder.send_now(keep_last=True)
     event: Event = (_CALL, (function, args), {}, None)
     ray.get(_channel.add_events.remote(cloudpickle.dumps([event])), timeout=_MONITOR_CALL_S)
 
@@ -132,34 +133,38 @@ class EventForwarderBase:
         self._trainer: pl.Trainer | None = None
         self._pending: list[Event] = []
         self._last_flush = 0.0
-        self._after_boundary = False
+        #: Whether what is pending goes out at the next hook (decided as the last event came).
+        self._due = False
 
     def _event(self, trainer: pl.Trainer, hook: str, *args: Any, boundary: bool = False) -> None:
         self._trainer = trainer
-        due = self._after_boundary or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
-        if due:
+        if self._due:
             self._flush()
         self._pending.append((hook, args, _state(trainer), None))
-        self._after_boundary = boundary
+        # decided now, not at the next hook: with slow steps, each batch's end goes out at the
+        # next batch's start, with that batch's metrics
+        self._due = boundary or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
 
-    def _flush(self, wait: bool = False) -> None:
-        if not self._pending or self._trainer is None:
+    def _flush(self, wait: bool = False, keep_last: bool = False) -> None:
+        keep_from = len(self._pending) - 1 if keep_last else len(self._pending)
+        if keep_from <= 0 or self._trainer is None:
             return
-        hook, args, state, _ = self._pending[-1]
-        self._pending[-1] = (hook, args, state, _metrics(self._trainer))
-        events, self._pending = self._pending, []
+        hook, args, state, _ = self._pending[keep_from - 1]
+        self._pending[keep_from - 1] = (hook, args, state, _metrics(self._trainer))
+        events, self._pending = self._pending[:keep_from], self._pending[keep_from:]
         self._last_flush = time.monotonic()
-        self._after_boundary = False
+        self._due = False
         sent = self._monitor.add_events.remote(cloudpickle.dumps(events))
         if wait:
             # the run's last events reach the monitor before rank 0's result reaches the driver
             ray.get(sent, timeout=_MONITOR_CALL_S)
 
-    def send_now(self) -> None:
-        """Sends what is pending, with the metrics committed so far, and waits for it (before a
-        function sent to the driver, or when the run fails); never raises."""
+    def send_now(self, keep_last: bool = False) -> None:
+        """Sends what is pending, with the metrics committed so far, and waits for it; never
+        raises. Before a function sent to the driver, the latest event stays pending
+        (``keep_last``): its hook is still running, and its metrics are not committed yet."""
         try:
-            self._flush(wait=True)
+            self._flush(wait=True, keep_last=keep_last)
         except Exception:
             log.debug("Could not send the last events", exc_info=True)
 
@@ -422,6 +427,14 @@ class DriverReplay:
             self.view.update(counters, metrics)
             for callback in list(self._callbacks):
                 self._call(callback, hook, args)
+
+    def drop_calls(self) -> None:
+        """Driver side: an attempt was lost; replays its events, but the functions its workers
+        sent do not run (the next attempt sends its own)."""
+        try:
+            self.pump(run_calls=False)
+        except Exception:
+            log.debug("Could not fetch the lost attempt's last events", exc_info=True)
 
     def fail(self, error: BaseException) -> None:
         """Driver side: the call failed; replays what arrived, then each ``on_exception``.

@@ -144,12 +144,16 @@ class RayLauncherBase(_Base):
                 stop=self._stop_attempt,
                 resume_point=lambda: monitor.resume() if fitting and monitor is not None else None,
             )
+
+            def on_restart(err: WorkerDiedError, failures: int, resume: Any) -> None:
+                if replay is not None:
+                    replay.drop_calls()
+                _log_restart(err, failures, resume, failure.max_failures, fitting)
+
             controller = RunController(
                 attempts,
                 max_failures=failure.max_failures if failure.monitored else 0,
-                on_restart=functools.partial(
-                    _log_restart, max_failures=failure.max_failures, fitting=fitting
-                ),
+                on_restart=on_restart,
             )
             with _sigterm_raises(strategy.flavour.sigterm_exception):
                 try:
@@ -235,7 +239,11 @@ class RayLauncherBase(_Base):
         if executor is None:
             return
         if reuse and self._strategy.reuse_workers:
-            pool.release(executor)
+            try:
+                pool.release(executor)
+            except BaseException:
+                executor.shutdown(graceful=False)  # neither kept nor left running
+                raise
         else:
             # after a failure the survivors may be stuck in a collective: kill, do not ask
             executor.shutdown(graceful=reuse)
@@ -645,7 +653,6 @@ def _log_restart(
     err: WorkerDiedError,
     failures: int,
     resume: ResumePoint | None,
-    *,
     max_failures: int,
     fitting: bool,
 ) -> None:

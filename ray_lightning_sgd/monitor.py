@@ -11,6 +11,7 @@ gone quiet for longer than the timeout (:meth:`RunMonitor.check`).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -24,6 +25,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_lightning_sgd.exceptions import ConfigurationError, WorkerTimeoutError
 from ray_lightning_sgd.worker_group import NAME_PREFIX, get_worker_context
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -312,9 +315,12 @@ class ResumeCheckpointBase:
         if self._storage is not None and trainer.global_rank == 0:
             import fsspec  # on the worker only: the run monitor's actor imports this module too
 
-            filesystem, path = fsspec.core.url_to_fs(self._storage)
-            if filesystem.exists(path):
-                filesystem.rm(path, recursive=True)
+            try:
+                filesystem, path = fsspec.core.url_to_fs(self._storage)
+                if filesystem.exists(path):
+                    filesystem.rm(path, recursive=True)
+            except Exception as err:  # noqa: BLE001 - the fit succeeded; a stale file is no error
+                log.warning("Could not remove the resume checkpoint in %s: %s", self._storage, err)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self._every:

@@ -108,7 +108,12 @@ def acquire(
     except BaseException:
         # interrupted (Ctrl-C) while it held groups no list knows of any more: none may leak
         for idle in [*others, *([match] if match is not None else [])]:
-            idle.executor.shutdown(graceful=False)
+            if idle.session != session:
+                continue  # its Ray session ended, and its actors with it
+            try:
+                idle.executor.shutdown(graceful=False)
+            except Exception:
+                log.debug("Could not stop %s", idle.executor.worker_group.name, exc_info=True)
         _drop_monitor_if_unused()
         raise
     if match is not None:

@@ -272,3 +272,44 @@ def test_after_a_failure_no_queued_driver_call_runs(ray_cluster, tmp_path):
         assert not marker.exists(), "a failed call ran a function its workers had sent"
     finally:
         monitor.shutdown()
+
+
+class SlowSteps(TinyModel):
+    """Steps slower than the forwarding interval; rank 0 notes each step's loss in ``path``."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def training_step(self, batch, batch_idx):
+        import time
+
+        time.sleep(0.3)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.global_rank == 0:
+            loss = float(self.trainer.callback_metrics["train_loss"])  # on step: no sync
+            with open(self.path, "a") as file:
+                file.write(f"{self.global_step} {loss!r}\n")
+
+
+class StepLosses(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((trainer.global_step, float(trainer.callback_metrics["train_loss"])))
+
+
+def test_with_slow_steps_each_batch_end_shows_its_own_loss(ray_cluster, tmp_path):
+    path = tmp_path / "losses"
+    recorder = StepLosses()
+    strategy = RaySGDStrategy(num_workers=2, driver_callbacks=[recorder])
+    _fit(tmp_path, strategy, model=SlowSteps(str(path)), enable_progress_bar=False, epochs=1)
+    on_rank_0 = [
+        (int(step), float(loss)) for step, loss in map(str.split, path.read_text().splitlines())
+    ]
+    assert len(on_rank_0) == 6
+    # each batch's end reaches the driver with that batch's loss, not the one before
+    assert recorder.seen == on_rank_0

@@ -123,9 +123,12 @@ def test_without_max_failures_a_lost_worker_is_not_retried(ray_cluster, tmp_path
 
 
 def test_a_restart_resumes_and_ends_as_the_run_without_failure(ray_cluster, tmp_path, caplog):
+    # both models start from the same weights, whatever the tests before left in the RNG
+    pl.seed_everything(0)
     reference = TinyModel()
     expected = _fit(reference, RaySGDStrategy(num_workers=2))
     marker = str(tmp_path / "failed-once")
+    pl.seed_everything(0)
     model = Faulty(rank=1, step=8, marker=marker)  # 6 steps an epoch: in the second epoch
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
         got = _fit(model, RaySGDStrategy(num_workers=2, max_failures=1))
