@@ -172,8 +172,9 @@ class EventForwarderBase:
         self._event(trainer, "setup", stage, boundary=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
-        # the last hook: every metric of the call is committed
-        self._event(trainer, "teardown", stage)
+        # the last hook: every metric of the call is committed; one send for all that is pending
+        self._trainer = trainer
+        self._pending.append(("teardown", (stage,), _state(trainer), None))
         self._flush(wait=True)
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
@@ -429,8 +430,8 @@ class DriverReplay:
                 self._call(callback, hook, args)
 
     def drop_calls(self) -> None:
-        """Driver side: an attempt was lost; replays its events, but the functions its workers
-        sent do not run (the next attempt sends its own)."""
+        """Driver side: an attempt was lost or the call failed; replays the events that arrived,
+        but the functions its workers sent do not run."""
         try:
             self.pump(run_calls=False)
         except Exception:
@@ -442,10 +443,7 @@ class DriverReplay:
         Functions the workers sent to the driver and that have not run yet do not run: they
         belong to a call that failed (a Tune report of a step that is lost).
         """
-        try:
-            self.pump(run_calls=False)
-        except Exception:
-            log.debug("Could not fetch rank 0's last events", exc_info=True)
+        self.drop_calls()
         for callback in list(self._callbacks):
             self._call(callback, "on_exception", (error,))
 

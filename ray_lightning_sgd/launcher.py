@@ -152,7 +152,7 @@ class RayLauncherBase(_Base):
 
             controller = RunController(
                 attempts,
-                max_failures=failure.max_failures if failure.monitored else 0,
+                max_failures=failure.max_failures,
                 on_restart=on_restart,
             )
             with _sigterm_raises(strategy.flavour.sigterm_exception):

@@ -89,10 +89,6 @@ class FailureConfig:
         """Whether a launch needs a monitor (restarts or a progress timeout)."""
         return self.max_failures != 0 or self.progress_timeout_s is not None
 
-    def may_restart(self, failures: int) -> bool:
-        """Whether another restart is allowed after ``failures`` failures."""
-        return self.max_failures == -1 or failures <= self.max_failures
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
