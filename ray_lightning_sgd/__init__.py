@@ -43,7 +43,7 @@ from ray_lightning_sgd.worker_group import (
 )
 
 if TYPE_CHECKING:
-    from ray_lightning_sgd.pool import shutdown as shutdown_workers
+    from ray_lightning_sgd._executor.pool import shutdown as shutdown_workers
     from ray_lightning_sgd.pytorch_lightning import RayEnvironment, RaySGDStrategy
     from ray_lightning_sgd.torch_backend import TorchBackend, TorchConfig
 
@@ -54,7 +54,7 @@ _FLAVOURED = ("RayEnvironment", "RaySGDStrategy")
 _LAZY = {
     "TorchBackend": ("ray_lightning_sgd.torch_backend", "TorchBackend"),
     "TorchConfig": ("ray_lightning_sgd.torch_backend", "TorchConfig"),
-    "shutdown_workers": ("ray_lightning_sgd.pool", "shutdown"),
+    "shutdown_workers": ("ray_lightning_sgd._executor.pool", "shutdown"),
 }
 
 

@@ -9,18 +9,18 @@
 
 ``from ray_lightning_sgd import RaySGDStrategy`` is this class too (where ``pytorch_lightning`` is
 installed). The classes here only join the implementation (see
-:mod:`ray_lightning_sgd.flavour`) with this namespace's Lightning bases.
+:mod:`ray_lightning_sgd._compat.flavour`) with this namespace's Lightning bases.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ray_lightning_sgd.environment import RayEnvironmentBase
-from ray_lightning_sgd.flavour import Flavour
-from ray_lightning_sgd.launcher import RayLauncherBase
-from ray_lightning_sgd.strategy import RaySGDStrategyBase
-from ray_lightning_sgd.tune import TuneReportCallbackBase
+from ray_lightning_sgd._compat.flavour import Flavour
+from ray_lightning_sgd._driver.launcher import RayLauncherBase
+from ray_lightning_sgd._driver.strategy import RaySGDStrategyBase
+from ray_lightning_sgd._worker.environment import RayEnvironmentBase
+from ray_lightning_sgd._worker.tune import TuneReportCallbackBase
 
 FLAVOUR = Flavour.load("pytorch_lightning")
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group_table
 
 import ray_lightning_sgd
-from ray_lightning_sgd import _compat, pool
+from ray_lightning_sgd import _compat
+from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd.worker_group import NAME_PREFIX
 
 # two CPUs for two workers, and GPUs that this machine does not have: Ray lets a node declare

@@ -12,6 +12,7 @@ import pytest
 import ray._private.ray_constants as ray_constants
 
 from ray_lightning_sgd import _compat
+from ray_lightning_sgd._compat import ray as _compat_ray
 from ray_lightning_sgd import lightning as rls_lightning
 from ray_lightning_sgd import pytorch_lightning as rls_pl
 
@@ -22,7 +23,7 @@ def test_ray_loopback_constant_exists():
     assert hasattr(ray_constants, "ENABLE_RAY_CLUSTER"), (
         "ray._private.ray_constants.ENABLE_RAY_CLUSTER moved; update _compat.bind_local_ray_to_loopback"
     )
-    assert ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR == _compat._RAY_LOOPBACK_ENV, (
+    assert ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR == _compat_ray._RAY_LOOPBACK_ENV, (
         "ray._private.ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR changed its name"
     )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_lightning_sgd.controller import Attempts, RunController, RunState
+from ray_lightning_sgd._executor.controller import Attempts, RunController, RunState
 from ray_lightning_sgd.exceptions import RaySGDError, WorkerDiedError
 
 

@@ -147,7 +147,7 @@ def test_a_failing_driver_callback_does_not_stop_training(ray_cluster, tmp_path,
         def on_train_batch_end(self, *args):
             raise RuntimeError("display broke")
 
-    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd.driver_view"):
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd._driver.replay"):
         trainer = _fit(tmp_path, RaySGDStrategy(num_workers=2, driver_callbacks=[Broken()]))
     assert trainer.global_step == 12
     assert "Broken failed in on_train_batch_end" in caplog.text
@@ -258,8 +258,9 @@ def test_after_a_failure_no_queued_driver_call_runs(ray_cluster, tmp_path):
     import ray
     from ray import cloudpickle
 
-    from ray_lightning_sgd.driver_view import _CALL, DriverReplay
-    from ray_lightning_sgd.monitor import RunMonitor
+    from ray_lightning_sgd._driver.monitor import RunMonitor
+    from ray_lightning_sgd._driver.replay import DriverReplay
+    from ray_lightning_sgd._worker.events import _CALL
 
     marker = tmp_path / "ran"
     monitor = RunMonitor(None)

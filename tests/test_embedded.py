@@ -54,7 +54,7 @@ def test_embedded_ray_listens_on_loopback_only_and_ends_with_the_driver(no_ray):
     out = _run(
         """
         import psutil, ray
-        from ray_lightning_sgd import cluster
+        from ray_lightning_sgd._worker_group import cluster
         assert cluster.connect() is True
         assert cluster.connect() is False  # already connected: nothing new is started
         print("ip", ray.util.get_node_ip_address())

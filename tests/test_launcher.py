@@ -9,12 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from ray_lightning_sgd.launcher import (
-    _find_unpicklable,
-    _GlobalState,
-    _RankPredictions,
-    merge_predictions,
-)
+from ray_lightning_sgd._driver.checks import _find_unpicklable
+from ray_lightning_sgd._driver.recovery import merge_predictions
+from ray_lightning_sgd._worker.entry import GlobalState, RankPredictions
 
 
 def _distributed_batches(n: int, world: int, batch: int, output):
@@ -25,7 +22,7 @@ def _distributed_batches(n: int, world: int, batch: int, output):
     for rank in range(world):
         mine = indices[rank:total:world]
         batches = [mine[i : i + batch] for i in range(0, len(mine), batch)]
-        ranks.append(_RankPredictions([[output(b) for b in batches]], [batches]))
+        ranks.append(RankPredictions([[output(b) for b in batches]], [batches]))
     return ranks
 
 
@@ -58,7 +55,7 @@ def test_several_dataloaders_merge_separately():
     first = _distributed_batches(4, 2, 2, lambda b: torch.tensor(b))
     second = _distributed_batches(6, 2, 3, lambda b: torch.tensor(b) * 10)
     ranks = [
-        _RankPredictions(a.outputs + b.outputs, a.indices + b.indices)
+        RankPredictions(a.outputs + b.outputs, a.indices + b.indices)
         for a, b in zip(first, second, strict=True)
     ]
     merged = merge_predictions(ranks)
@@ -86,7 +83,7 @@ def test_global_state_round_trips():
     torch.manual_seed(3)
     random.seed(3)
     np.random.seed(3)
-    state = _GlobalState.capture()
+    state = GlobalState.capture()
     expected = (torch.rand(2), random.random(), np.random.rand())
     torch.manual_seed(99)
     random.seed(99)
@@ -103,4 +100,4 @@ def test_mixed_batched_and_unbatched_columns_are_not_split_per_item():
 
 
 def test_no_batches_merge_to_nothing():
-    assert merge_predictions([_RankPredictions([[]], [[]])]) == [[]]
+    assert merge_predictions([RankPredictions([[]], [[]])]) == [[]]

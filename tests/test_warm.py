@@ -8,7 +8,8 @@ import ray
 import torch
 
 import ray_lightning_sgd
-from ray_lightning_sgd import RaySGDStrategy, pool
+from ray_lightning_sgd import RaySGDStrategy
+from ray_lightning_sgd._executor import pool
 from tests.conftest import leftovers
 from tests.helpers import PidModel, TinyModel, loader, quiet_trainer_kwargs
 

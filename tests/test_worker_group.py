@@ -116,19 +116,19 @@ def test_a_lost_result_names_the_rank_that_made_it(free_cluster):
     # the rank comes from the task that made the object
     from ray.exceptions import ObjectLostError
 
-    from ray_lightning_sgd.worker_group import _actor_of, _translate
+    from ray_lightning_sgd._worker_group.errors import actor_of, translate
 
     group = WorkerGroup(WorkerGroupConfig(num_workers=2))
     group.start()
     try:
         ref = group.execute_single_async(1, _env, "PATH")
-        err = _translate(ObjectLostError(ref.hex(), "", ""), group.metadata, _actor_of(ref))
+        err = translate(ObjectLostError(ref.hex(), "", ""), group.metadata, actor_of(ref))
         assert isinstance(err, WorkerDiedError) and err.rank == 1
         assert "rank 1 " in str(err) and "was lost" in str(err)
         assert err.node_id == group.metadata[1].node_id
         plain = ray.put(1)
         assert (
-            _translate(ObjectLostError(plain.hex(), "", ""), group.metadata, _actor_of(plain)).rank
+            translate(ObjectLostError(plain.hex(), "", ""), group.metadata, actor_of(plain)).rank
             == -1
         )
     finally:
@@ -221,7 +221,8 @@ def _exit_soon():
 
 
 def test_lost_peers_are_blamed_for_collective_errors_only(free_cluster):
-    from ray_lightning_sgd.worker_group import _IN_COLLECTIVE, _blame_a_lost_peer
+    from ray_lightning_sgd._worker_group.errors import blame_a_lost_peer
+    from ray_lightning_sgd._worker_group.worker import IN_COLLECTIVE
 
     group = WorkerGroup(WorkerGroupConfig(num_workers=2))
     group.start()
@@ -229,7 +230,7 @@ def test_lost_peers_are_blamed_for_collective_errors_only(free_cluster):
         # an error raised inside torch reaches the driver marked as such
         with pytest.raises((RuntimeError, ValueError)) as info:
             group.execute_single(0, _raise_inside_torch)
-        assert getattr(info.value, _IN_COLLECTIVE, False), "a torch error was not marked"
+        assert getattr(info.value, IN_COLLECTIVE, False), "a torch error was not marked"
         # a user's RuntimeError that reads like a lost peer is raised as it is, at once, even
         # when another rank dies just after
         group.execute(_env, "PATH")  # the workers import this module first
@@ -238,7 +239,7 @@ def test_lost_peers_are_blamed_for_collective_errors_only(free_cluster):
             group.execute(_user_broken_pipe_then_exit)
         assert not isinstance(info.value, WorkerDiedError)
         assert time.monotonic() - start < 3.0, "the driver waited for another rank's death"
-        assert not getattr(info.value, _IN_COLLECTIVE, False)
+        assert not getattr(info.value, IN_COLLECTIVE, False)
     finally:
         group.shutdown()
 
@@ -249,7 +250,7 @@ def test_lost_peers_are_blamed_for_collective_errors_only(free_cluster):
         survivor = RuntimeError("Connection closed by peer [127.0.0.1]:4515")
         survivor.add_note("Raised on rank 0 of 2. Worker traceback:\n  in all_reduce\n")
         pending = [group.execute_single_async(1, _exit_soon)]
-        died, _ = _blame_a_lost_peer(pending, group.metadata, survivor, None)
+        died, _ = blame_a_lost_peer(pending, group.metadata, survivor, None)
         assert isinstance(died, WorkerDiedError) and died.rank == 1
         notes = "\n".join(died.__notes__)
         assert "lost its peer" in notes

@@ -1,40 +1,19 @@
-"""Every use of a private attribute of Ray or Lightning, in one place.
+"""Every use of a private attribute of Lightning, in one place.
 
 Each name here has a test in ``tests/test_compat.py`` that fails, naming the attribute, when a new
-release moves it.
+release moves it; both namespaces are tested.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
-from typing import TYPE_CHECKING, Any
-
-import ray._private.ray_constants as _ray_constants
-
-if TYPE_CHECKING:
-    # Lightning's launcher interface has no public name; strategies must return one of these
-    from pytorch_lightning.strategies.launchers.launcher import _Launcher as Launcher  # noqa: F401
-
-    from ray_lightning_sgd.launcher import RayLauncherBase
-
-#: Ray reads this environment variable once, at import, into ``ENABLE_RAY_CLUSTER``. With it off,
-#: a local instance binds and advertises 127.0.0.1 instead of the machine's external address.
-_RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+from typing import Any
 
 #: Where each Lightning namespace keeps its (private) launcher interface.
 _LAUNCHER_MODULE = "{namespace}.strategies.launchers.launcher"
+
+
 _LAUNCHER_CLASS = "_Launcher"
-
-
-def bind_local_ray_to_loopback() -> None:
-    """Driver side: makes the next local Ray instance listen on 127.0.0.1 only.
-
-    Sets the environment variable for Ray's own processes, which read it at start, and the module
-    constant for this process, which read it when ``ray`` was imported.
-    """
-    os.environ[_RAY_LOOPBACK_ENV] = "0"
-    _ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def launcher_interface(namespace: str) -> type:
@@ -54,7 +33,7 @@ class ConfigureLauncher:
 
     _launcher: Any
 
-    def make_launcher(self) -> RayLauncherBase:
+    def make_launcher(self) -> Any:
         raise NotImplementedError
 
     def _configure_launcher(self) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from typing_extensions import override
 
-from ray_lightning_sgd.ranks import WorkerRank
+from ray_lightning_sgd._worker_group.ranks import WorkerRank
 
 if TYPE_CHECKING:
     from lightning_fabric.plugins.environments import ClusterEnvironment as _Base

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from ray_lightning_sgd.backend import BackendConfig
+from ray_lightning_sgd._backend.base import BackendConfig
+from ray_lightning_sgd._driver.monitor import RunMonitor
+from ray_lightning_sgd._executor.executor import BackendExecutor
+from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd.exceptions import RaySGDError
-from ray_lightning_sgd.executor import BackendExecutor
-from ray_lightning_sgd.monitor import RunMonitor
-from ray_lightning_sgd.worker_group import WorkerGroupConfig
 
 log = logging.getLogger(__name__)
 

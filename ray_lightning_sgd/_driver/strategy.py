@@ -1,9 +1,9 @@
 """RaySGDStrategy: Lightning's DDP, with its processes run as a gang of Ray actors.
 
 The strategy is a thin ``DDPStrategy``: it validates its arguments in the constructor (before Ray is
-touched), hands the launch to its launcher (:class:`~ray_lightning_sgd.launcher.RayLauncherBase`), and
+touched), hands the launch to its launcher (:class:`~ray_lightning_sgd._driver.launcher.RayLauncherBase`), and
 reads ranks and device from its cluster environment
-(:class:`~ray_lightning_sgd.environment.RayEnvironmentBase`). Everything else is Lightning's DDP.
+(:class:`~ray_lightning_sgd._worker.environment.RayEnvironmentBase`). Everything else is Lightning's DDP.
 
 :class:`RaySGDStrategyBase` is the implementation, for either Lightning namespace;
 ``ray_lightning_sgd.pytorch_lightning.RaySGDStrategy`` and ``ray_lightning_sgd.lightning.RaySGDStrategy``
@@ -23,18 +23,20 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from ray_lightning_sgd import _compat, cluster, pool
-from ray_lightning_sgd.environment import RayEnvironmentBase
+from ray_lightning_sgd import _compat
+from ray_lightning_sgd._backend.torch import TorchConfig
+from ray_lightning_sgd._compat.flavour import Flavour
+from ray_lightning_sgd._driver.failure import FailureConfig
+from ray_lightning_sgd._driver.launcher import RayLauncherBase
+from ray_lightning_sgd._executor import pool
+from ray_lightning_sgd._worker.environment import RayEnvironmentBase
+from ray_lightning_sgd._worker_group import cluster
+from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd.exceptions import ConfigurationError
-from ray_lightning_sgd.flavour import Flavour
-from ray_lightning_sgd.monitor import FailureConfig
-from ray_lightning_sgd.torch_backend import TorchConfig
-from ray_lightning_sgd.worker_group import WorkerGroupConfig
 
 if TYPE_CHECKING:
     from pytorch_lightning.strategies import DDPStrategy as _Base
 
-    from ray_lightning_sgd.launcher import RayLauncherBase
 else:
     _Base = object
 

@@ -4,7 +4,7 @@ Lightning ships the same classes twice: in the standalone ``pytorch_lightning`` 
 ``lightning_fabric``) and inside the ``lightning`` package as ``lightning.pytorch`` (with
 ``lightning.fabric``). The two are distinct classes, and a Trainer of one refuses a strategy of the
 other. The strategy, its launcher and its cluster environment are therefore written once, as mixins
-(:class:`~ray_lightning_sgd.strategy.RaySGDStrategyBase`, ...) that take every Lightning class they
+(:class:`~ray_lightning_sgd._driver.strategy.RaySGDStrategyBase`, ...) that take every Lightning class they
 need from a :class:`Flavour`; :mod:`ray_lightning_sgd.pytorch_lightning` and
 :mod:`ray_lightning_sgd.lightning` each join the mixins with one namespace's bases in a few lines.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from ray_lightning_sgd import _compat
+from ray_lightning_sgd._compat.lightning import launcher_interface
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 #: The Lightning releases this package is tested with (see the README's "Tested versions").
@@ -68,7 +68,7 @@ class Flavour:
             prediction_writer=pl.callbacks.BasePredictionWriter,
             progress_bar=pl.callbacks.ProgressBar,
             cluster_environment=fabric.plugins.environments.ClusterEnvironment,
-            launcher_interface=_compat.launcher_interface(namespace),
+            launcher_interface=launcher_interface(namespace),
             rank_zero_only=pl.utilities.rank_zero.rank_zero_only,
             sigterm_exception=exceptions.SIGTERMException,
         )

@@ -1,0 +1,1 @@
+"""The backends: how a worker group forms (and ends) its process group."""

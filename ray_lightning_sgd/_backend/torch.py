@@ -1,0 +1,162 @@
+"""The torch backend: a ``torch.distributed`` process group across the worker group.
+
+``on_start`` asks worker 0 for the rendezvous address and a free port, then joins every worker to
+the process group at once (``init_process_group`` blocks until all ranks have joined, so the joins
+must run concurrently). The driver never joins. ``on_shutdown`` destroys the group on every worker
+and waits a bounded time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import ray
+import torch
+import torch.distributed as dist
+
+from ray_lightning_sgd._backend.base import Backend, BackendConfig
+from ray_lightning_sgd._worker_group.context import get_worker_context
+from ray_lightning_sgd._worker_group.group import WorkerGroup
+from ray_lightning_sgd.exceptions import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+INIT_METHODS = ("env", "tcp")
+_SHUTDOWN_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class TorchConfig(BackendConfig):
+    """How the workers form their ``torch.distributed`` process group.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; None picks gloo without GPUs and NCCL with them.
+        init_method: ``"env"`` (rendezvous through MASTER_ADDR/MASTER_PORT) or ``"tcp"``
+            (through a ``tcp://`` URL).
+        timeout_s: Timeout of the process group's rendezvous and collectives, in seconds.
+    """
+
+    backend: str | None = None
+    init_method: str = "env"
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ConfigurationError(
+                f"TorchConfig.backend must be one of {', '.join(BACKENDS)} or None (gloo on CPU, "
+                f"NCCL on GPU), got {self.backend!r}"
+            )
+        if self.init_method not in INIT_METHODS:
+            raise ConfigurationError(
+                f"TorchConfig.init_method must be one of {', '.join(INIT_METHODS)}, "
+                f"got {self.init_method!r}"
+            )
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+            raise ConfigurationError(
+                f"TorchConfig.timeout_s must be a number > 0, got {self.timeout_s!r}"
+            )
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigurationError(f"TorchConfig.timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def backend_cls(self) -> type[Backend]:
+        return TorchBackend
+
+    def resolve_backend(self, use_gpu: bool) -> str:
+        """Returns the process group backend to use for workers with or without GPUs."""
+        if self.backend is not None:
+            return self.backend
+        return "nccl" if use_gpu else "gloo"
+
+
+class TorchBackend(Backend):
+    """Sets up and tears down the ``torch.distributed`` process group on every worker."""
+
+    def on_start(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
+        if not isinstance(backend_config, TorchConfig):
+            raise TypeError(f"TorchBackend takes a TorchConfig, got {backend_config!r}")
+        use_gpu = any(meta.gpu_ids for meta in worker_group.metadata)
+        backend = backend_config.resolve_backend(use_gpu)
+        # every worker imports torch now, at once; else each would on its first call, one by one
+        worker_group.execute(_imported)
+        address, port = worker_group.execute_single(0, _rendezvous_address)
+        log.debug(
+            "Joining %d workers to a %s process group at %s:%d",
+            len(worker_group),
+            backend,
+            address,
+            port,
+        )
+        worker_group.execute(
+            _init_process_group,
+            backend=backend,
+            init_method=backend_config.init_method,
+            address=address,
+            port=port,
+            timeout_s=backend_config.timeout_s,
+        )
+
+    def on_shutdown(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
+        refs = worker_group.execute_async(_destroy_process_group)
+        _done, pending = ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_WAIT_S)
+        if pending:
+            log.warning(
+                "%d of %d workers did not destroy their process group within %.0fs; "
+                "they are killed instead",
+                len(pending),
+                len(refs),
+                _SHUTDOWN_WAIT_S,
+            )
+
+
+def _imported() -> None:
+    """Runs on each worker. Nothing: unpickling it imports this module, and torch with it."""
+
+
+def _rendezvous_address() -> tuple[str, int]:
+    """Runs on each worker (on worker 0). Returns this node's address and a free port on it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def _init_process_group(
+    backend: str, init_method: str, address: str, port: int, timeout_s: float
+) -> None:
+    """Runs on each worker. Joins the process group under the rank the worker group assigned."""
+    rank = get_worker_context().rank
+    device_index = get_worker_context().device_index
+    os.environ.update(
+        MASTER_ADDR=address,
+        MASTER_PORT=str(port),
+        RANK=str(rank.global_rank),
+        WORLD_SIZE=str(rank.world_size),
+        LOCAL_RANK=str(rank.local_rank),
+        LOCAL_WORLD_SIZE=str(rank.local_world_size),
+        NODE_RANK=str(rank.node_rank),
+    )
+    if backend == "nccl" and device_index is not None:
+        torch.cuda.set_device(device_index)
+    url = "env://" if init_method == "env" else f"tcp://{address}:{port}"
+    dist.init_process_group(
+        backend=backend,
+        init_method=url,
+        rank=rank.global_rank,
+        world_size=rank.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def _destroy_process_group() -> None:
+    """Runs on each worker. Leaves the process group and frees cached GPU memory."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -1,0 +1,25 @@
+"""Every use of a private name of Lightning or Ray, in one place: one module per library.
+
+Each name has a test in ``tests/test_compat.py`` that fails, naming the attribute, when a new
+release moves it. :mod:`.flavour` collects the public members of one Lightning namespace.
+"""
+
+from __future__ import annotations
+
+from ray_lightning_sgd._compat.lightning import (
+    ConfigureLauncher,
+    committed_metrics,
+    launcher_interface,
+    set_logger_version,
+    should_check_val_epoch,
+)
+from ray_lightning_sgd._compat.ray import bind_local_ray_to_loopback
+
+__all__ = [
+    "ConfigureLauncher",
+    "bind_local_ray_to_loopback",
+    "committed_metrics",
+    "launcher_interface",
+    "set_logger_version",
+    "should_check_val_epoch",
+]

@@ -1,0 +1,27 @@
+"""Every use of a private attribute of Ray, in one place, each with a test in ``tests/test_compat.py``."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import ray._private.ray_constants as _ray_constants
+
+if TYPE_CHECKING:
+    # Lightning's launcher interface has no public name; strategies must return one of these
+    from pytorch_lightning.strategies.launchers.launcher import _Launcher as Launcher  # noqa: F401
+
+
+#: Ray reads this environment variable once, at import, into ``ENABLE_RAY_CLUSTER``. With it off,
+#: a local instance binds and advertises 127.0.0.1 instead of the machine's external address.
+_RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def bind_local_ray_to_loopback() -> None:
+    """Driver side: makes the next local Ray instance listen on 127.0.0.1 only.
+
+    Sets the environment variable for Ray's own processes, which read it at start, and the module
+    constant for this process, which read it when ``ray`` was imported.
+    """
+    os.environ[_RAY_LOOPBACK_ENV] = "0"
+    _ray_constants.ENABLE_RAY_CLUSTER = False

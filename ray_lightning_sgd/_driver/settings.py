@@ -1,0 +1,42 @@
+"""Driver side: what a launch reads from its strategy, as an interface.
+
+The launcher and the checks depend on this protocol, not on the strategy class, so that the strategy
+(which makes the launcher) sits above them in the import graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ray_lightning_sgd._backend.torch import TorchConfig
+from ray_lightning_sgd._compat.flavour import Flavour
+from ray_lightning_sgd._driver.failure import FailureConfig
+from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
+
+
+class LaunchSettings(Protocol):
+    """The strategy's settings that a launch uses."""
+
+    @property
+    def flavour(self) -> Flavour:
+        """The strategy's Lightning namespace."""
+
+    @property
+    def worker_group_config(self) -> WorkerGroupConfig:
+        """How many workers to start and what each one reserves."""
+
+    @property
+    def backend_config(self) -> TorchConfig:
+        """How the workers form their process group."""
+
+    @property
+    def failure_config(self) -> FailureConfig:
+        """Restarts, progress timeout and resume checkpoints."""
+
+    @property
+    def reuse_workers(self) -> bool:
+        """Whether workers stay up between calls."""
+
+    @property
+    def driver_callbacks(self) -> list[Any]:
+        """Callbacks that run on the driver."""

@@ -1,0 +1,328 @@
+"""Runs on each worker: the launcher's worker half.
+
+:func:`run_on_worker` restores the driver's global state, takes the rank and device the group
+assigned, adds this package's callbacks, runs the Trainer's entry point and collects what goes back
+(:func:`_collect_results`). What crosses the process boundary is spelled out here as named tuples:
+the :class:`Payload` that goes to every worker and the :class:`WorkerOutput` that comes back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.backends.cudnn
+from torch import Tensor
+
+from ray_lightning_sgd import _compat
+from ray_lightning_sgd._compat.flavour import Flavour
+from ray_lightning_sgd._driver.failure import FailureConfig
+from ray_lightning_sgd._driver.monitor import RunMonitor
+from ray_lightning_sgd._serialization import Packed, pack, to_cpu, unpack
+from ray_lightning_sgd._worker import artifacts
+from ray_lightning_sgd._worker.environment import RayEnvironmentBase
+from ray_lightning_sgd._worker.events import EventForwarderBase, close_channel, open_channel
+from ray_lightning_sgd._worker.output import OutputForwarder
+from ray_lightning_sgd._worker.progress import ProgressReporterBase
+from ray_lightning_sgd._worker.resume import ResumeCheckpointBase, ResumePoint, materialise
+from ray_lightning_sgd._worker_group.context import get_worker_context
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback
+
+
+# the values of Lightning's TrainerFn, the same in both namespaces
+FITTING, VALIDATING, TESTING, PREDICTING = "fit", "validate", "test", "predict"
+
+
+log = logging.getLogger(__name__)
+
+
+#: Environment variables of the driver that Lightning's spawned processes inherit and read.
+_INHERITED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
+
+
+class Payload(NamedTuple):
+    """What goes to every worker, as one object in Ray's object store."""
+
+    trainer: pl.Trainer | None
+    function: Callable
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    global_state: GlobalState
+    #: The run monitor (restarts, a progress timeout, or events for the driver), or None; on the
+    #: driver only (the workers get its actor as the call's argument).
+    monitor: RunMonitor | None
+    failure: FailureConfig
+    #: Where a restarted ``fit`` resumes from.
+    resume: ResumePoint | None
+    #: Whether rank 0 sends its callback events to the driver (through the monitor).
+    forward_events: bool = False
+    #: Where the driver expects rank 0's logs and checkpoints.
+    artifacts: artifacts.Artifacts | None = None
+    #: This launch's own name: its resume checkpoints in ``checkpoint_storage`` go in a folder of
+    #: that name, so that runs sharing the storage (Tune trials) never overwrite each other's.
+    run_id: str = ""
+
+
+class RankZeroResults(NamedTuple):
+    """What rank 0 sends back: everything the driver's Trainer and model need."""
+
+    state: Any  # the TrainerState of the Trainer's namespace
+    #: The model's state dict, packed on its own so that the driver can copy it into its model
+    #: straight from Ray's object store (:func:`unpack` with ``copy=False``).
+    model_state: Packed | None
+    loop_state: dict[str, Any]
+    callback_states: dict[str, dict[str, Any]]
+    callback_metrics: dict[str, Any]
+    logged_metrics: dict[str, Any]
+    progress_bar_metrics: dict[str, Any]
+    should_stop: bool
+    #: Files rank 0 wrote that the driver cannot see (see :mod:`ray_lightning_sgd._worker.artifacts`).
+    files: dict[str, bytes]
+    #: Each logger's version, as rank 0 chose it.
+    logger_versions: list[Any]
+
+
+class RankPredictions(NamedTuple):
+    """One rank's predictions: per dataloader, per batch, the outputs and the samples' indices."""
+
+    outputs: list[list[Any]]
+    indices: list[list[list[int]]]
+
+
+class WorkerOutput(NamedTuple):
+    """What one worker returns from :func:`run_on_worker`."""
+
+    results: Any
+    rank_zero: RankZeroResults | None
+    predictions: RankPredictions | None
+
+
+@dataclass(frozen=True)
+class GlobalState:
+    """The process-global state that Lightning's spawn launcher carries into its processes."""
+
+    use_deterministic_algorithms: bool
+    deterministic_warn_only: bool
+    cudnn_benchmark: bool
+    python_rng: Any
+    numpy_rng: Any
+    torch_rng: Tensor
+    env: dict[str, str]
+
+    @classmethod
+    def capture(cls) -> GlobalState:
+        """Driver side: captures the flags, RNG states and inherited environment variables."""
+        return cls(
+            use_deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+            deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            cudnn_benchmark=torch.backends.cudnn.benchmark,
+            python_rng=random.getstate(),
+            numpy_rng=np.random.get_state(),
+            torch_rng=torch.get_rng_state(),
+            env={key: os.environ[key] for key in _INHERITED_ENV if key in os.environ},
+        )
+
+    def restore(self) -> None:
+        """Runs on each worker. Restores what :meth:`capture` captured."""
+        torch.use_deterministic_algorithms(
+            self.use_deterministic_algorithms, warn_only=self.deterministic_warn_only
+        )
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        random.setstate(self.python_rng)
+        np.random.set_state(self.numpy_rng)
+        torch.set_rng_state(self.torch_rng)
+        for key in _INHERITED_ENV:
+            os.environ.pop(key, None)
+        os.environ.update(self.env)
+
+
+class _BatchIndexRecorderBase:
+    """Runs on each worker. Records which samples each predicted batch held."""
+
+    def __init__(self) -> None:
+        super().__init__(write_interval="batch")  # type: ignore[call-arg]
+        self.indices: dict[int, list[list[int]]] = {}
+
+    def write_on_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
+        self.indices.setdefault(dataloader_idx, []).append(list(batch_indices or []))
+
+
+@functools.cache
+def _batch_index_recorder(flavour: Flavour) -> type[_BatchIndexRecorderBase]:
+    """The recorder for one namespace: Lightning keeps batch indices only for its own writers."""
+    return type("_BatchIndexRecorder", (_BatchIndexRecorderBase, flavour.prediction_writer), {})
+
+
+def run_on_worker(packed: Packed, monitor: Any) -> Packed:
+    """Runs on each worker. Runs the entry point under the assigned rank and collects results.
+
+    ``monitor`` is the run monitor's actor handle, or None.
+    """
+    payload: Payload = unpack(packed)
+    del packed
+    return pack(_run_payload(payload, monitor))
+
+
+def _run_payload(payload: Payload, monitor: Any) -> WorkerOutput:
+    started = time.time()  # files the call writes are newer
+    context = get_worker_context()
+    payload.global_state.restore()
+    trainer = payload.trainer
+    recorder = None
+    args, kwargs = payload.args, payload.kwargs
+    ours: list[Any] = []
+    resume_file = None
+    if trainer is not None:
+        strategy = trainer.strategy
+        environment = getattr(strategy, "cluster_environment", None)
+        if not isinstance(environment, RayEnvironmentBase):
+            raise TypeError(f"the Trainer's strategy has no RayEnvironment, but {environment!r}")
+        flavour: Flavour = strategy.flavour  # type: ignore[attr-defined]
+        environment.assign(context.rank, context.device_index)
+        on_gpu = context.device_index is not None
+        if on_gpu != isinstance(strategy.accelerator, flavour.cuda_accelerator):
+            accelerator = flavour.cuda_accelerator if on_gpu else flavour.cpu_accelerator
+            strategy.accelerator = accelerator()
+        strategy.set_world_ranks()  # type: ignore[attr-defined]
+        if trainer.state.fn == PREDICTING:
+            recorder = _batch_index_recorder(flavour)()
+            ours.append(recorder)
+        for bar in [cb for cb in callbacks_of(trainer) if isinstance(cb, flavour.progress_bar)]:
+            callbacks_of(trainer).remove(bar)  # the driver shows rank 0's progress instead
+        if monitor is not None and payload.forward_events and context.rank.global_rank == 0:
+            ours.append(_callback_class(flavour, EventForwarderBase)(monitor))
+        if monitor is not None and payload.failure.monitored:
+            ours.append(_callback_class(flavour, ProgressReporterBase)(monitor))
+            fitting = trainer.state.fn == FITTING
+            if fitting and payload.failure.max_failures != 0:
+                failure = payload.failure
+                resume_callback = _callback_class(flavour, ResumeCheckpointBase)
+                every, storage = failure.checkpoint_every_n_epochs, failure.checkpoint_storage
+                if storage is not None:
+                    storage = f"{storage.rstrip('/')}/run-{payload.run_id}"
+                ours.append(resume_callback(monitor, every, storage))
+            if fitting and payload.resume is not None:
+                resume_file = materialise(payload.resume)
+                args, kwargs = _with_ckpt_path(payload.function, args, kwargs, resume_file)
+        callbacks_of(trainer).extend(ours)
+    output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if monitor is not None and trainer is not None:  # a Trainer's call: its output to the driver
+        output = OutputForwarder(monitor, context.rank.global_rank)
+    forwarder = next((cb for cb in ours if isinstance(cb, EventForwarderBase)), None)
+    if monitor is not None:
+        open_channel(monitor, forwarder)
+    try:
+        with output:
+            results = payload.function(*args, **kwargs)
+    except BaseException:
+        if forwarder is not None:
+            forwarder.send_now()  # the driver's view gets the steps before the error
+        raise
+    finally:
+        close_channel()
+        if resume_file is not None and payload.resume and payload.resume.uri is None:
+            os.unlink(resume_file)
+    if trainer is None:
+        return WorkerOutput(results, None, None)
+    for callback in ours:
+        callbacks_of(trainer).remove(callback)
+    collected = _collect_results(trainer, results, context.rank.global_rank, recorder)
+    if collected.rank_zero is not None:
+        files = artifacts.collect(payload.artifacts, trainer, started)
+        collected = collected._replace(rank_zero=collected.rank_zero._replace(files=files))
+    return collected
+
+
+@functools.cache
+def _callback_class(flavour: Flavour, base: type) -> type:
+    """``base`` as a Callback of the flavour's namespace."""
+    return type(base.__name__.removesuffix("Base"), (base, flavour.callback), {})
+
+
+def _with_ckpt_path(
+    function: Callable, args: tuple[Any, ...], kwargs: dict[str, Any], path: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Returns the entry point's arguments with ``ckpt_path`` set to ``path``."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.arguments["ckpt_path"] = path
+    return bound.args, bound.kwargs
+
+
+def _collect_results(
+    trainer: pl.Trainer, results: Any, global_rank: int, recorder: _BatchIndexRecorderBase | None
+) -> WorkerOutput:
+    """Runs on each worker. Gathers what the driver needs: everything from rank 0, and each
+    rank's predictions."""
+    fn = trainer.state.fn
+    # every rank computes the state dict, in case metrics in the model synchronise in it
+    model_state = to_cpu(trainer.lightning_module.state_dict()) if fn == FITTING else None
+    predictions = None
+    if recorder is not None:
+        if results is not None:
+            outputs = _per_dataloader(results, trainer.predict_loop.num_dataloaders)
+            indices = [recorder.indices.get(i, []) for i in range(len(outputs))]
+            predictions = RankPredictions(outputs, indices)
+        results = None  # the driver merges every rank's predictions instead
+    if global_rank != 0:
+        return WorkerOutput(None, None, predictions)
+    progress_bar_metrics, callback_metrics, logged_metrics = _compat.committed_metrics(trainer)
+    rank_zero = RankZeroResults(
+        state=trainer.state,
+        model_state=None if model_state is None else pack(model_state),
+        # tensors go back on the CPU: the driver may have no GPU to unpickle them onto
+        loop_state=to_cpu(loop_of(trainer).state_dict()),
+        callback_states={
+            cb.state_key: to_cpu(cb.state_dict()) for cb in callbacks_of(trainer) if cb.state_dict()
+        },
+        # rank 0 alone reads them: the committed dicts, as the properties could start a collective
+        callback_metrics=to_cpu(dict(callback_metrics)),
+        logged_metrics=to_cpu(dict(logged_metrics)),
+        progress_bar_metrics=to_cpu(dict(progress_bar_metrics)),
+        should_stop=trainer.should_stop,
+        files={},
+        logger_versions=[getattr(logger, "version", None) for logger in trainer.loggers],
+    )
+    return WorkerOutput(to_cpu(results), rank_zero, predictions)
+
+
+def callbacks_of(trainer: pl.Trainer) -> list[Callback]:
+    # the Trainer sets this attribute in its callback connector, where type checkers do not see it
+    return trainer.callbacks  # type: ignore[attr-defined]
+
+
+def loop_of(trainer: pl.Trainer) -> Any:
+    return {
+        FITTING: trainer.fit_loop,
+        VALIDATING: trainer.validate_loop,
+        TESTING: trainer.test_loop,
+        PREDICTING: trainer.predict_loop,
+    }[trainer.state.fn.value]  # type: ignore[union-attr]
+
+
+def _per_dataloader(results: Any, num_dataloaders: int) -> list[list[Any]]:
+    # Lightning returns a flat list of batches for one dataloader, a list of lists for several
+    if num_dataloaders > 1:
+        return [list(r) for r in results]
+    return [list(results)]

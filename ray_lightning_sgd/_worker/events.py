@@ -1,0 +1,272 @@
+"""Runs on rank 0: its callback events, for the driver's progress bar and driver callbacks.
+
+Rank 0 runs :class:`EventForwarderBase`, a callback that notes each hook Lightning calls (setup,
+the start and end of every stage and epoch, every batch) with the few counters a progress bar
+reads, and sends them to the driver in small batches: every :data:`FLUSH_INTERVAL_S` and after
+every stage or epoch boundary. Only the last event of a batch carries the metrics (progress bar,
+callback and logged metrics), so the step loop pays for no extra device syncs.
+
+The forwarder runs on rank 0 alone, so it must never start a collective: it reads only the metrics
+Lightning has already committed on every rank (:func:`ray_lightning_sgd._compat.committed_metrics`),
+never the Trainer's metric properties, which may sync ``sync_dist=True`` metrics across ranks. An
+event's metrics are read at the next hook, after Lightning committed what that hook's step or epoch
+logged: a driver callback's ``on_validation_epoch_end`` sees that validation's metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray import cloudpickle
+
+from ray_lightning_sgd import _compat
+from ray_lightning_sgd._serialization import to_cpu
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+log = logging.getLogger(__name__)
+
+
+#: How often rank 0 sends its events at most, between stage and epoch boundaries (seconds).
+FLUSH_INTERVAL_S = 0.2
+
+
+_MONITOR_CALL_S = 30.0
+
+
+#: One event: the hook's name, its index arguments, rank 0's counters, and (on the last event of
+#: each batch) its metrics.
+Event = tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any] | None]
+
+
+#: The hook name of an event that asks the driver to run a function (:func:`send_to_driver`).
+_CALL = "__call__"
+
+
+#: The run monitor's actor of the call a worker is running, while it runs one.
+_channel: Any = None
+
+
+#: Rank 0's event forwarder during a call that forwards events: what :func:`send_to_driver` sends
+#: goes after the events it holds.
+_forwarder: EventForwarderBase | None = None
+
+
+def open_channel(monitor: Any, forwarder: EventForwarderBase | None = None) -> None:
+    """Runs on each worker. Lets :func:`send_to_driver` reach the driver during the call."""
+    global _channel, _forwarder
+    _channel, _forwarder = monitor, forwarder
+
+
+def close_channel() -> None:
+    global _channel, _forwarder
+    _channel, _forwarder = None, None
+
+
+def send_to_driver(function: Any, *args: Any) -> None:
+    """Runs on a worker, during a call: runs ``function(*args)`` on the driver within about 0.1 s
+    (after the events the monitor already holds; ``function`` must be importable there). Waits
+    until the monitor holds the request; what ``function`` raises on the driver fails the call.
+    A call that failed runs no more of them."""
+    if _channel is None:
+        raise RuntimeError("send_to_driver works on the workers of a RaySGDStrategy call only")
+    if _forwarder is not None:
+        # the driver replays the events before this call, then runs it
+        _forwarder.send_now(keep_last=True)
+    event: Event = (_CALL, (function, args), {}, None)
+    ray.get(_channel.add_events.remote(cloudpickle.dumps([event])), timeout=_MONITOR_CALL_S)
+
+
+def _state(trainer: pl.Trainer) -> dict[str, Any]:
+    state = trainer.state
+    fitting = state.fn is not None and state.fn.value == "fit"
+    return {
+        "fn": None if state.fn is None else state.fn.value,
+        "stage": None if state.stage is None else state.stage.value,
+        "status": state.status.value,
+        "current_epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "num_training_batches": trainer.num_training_batches,
+        "num_val_batches": list(trainer.num_val_batches),
+        "num_sanity_val_batches": list(trainer.num_sanity_val_batches),
+        "num_test_batches": list(trainer.num_test_batches),
+        "num_predict_batches": list(trainer.num_predict_batches),
+        "should_check_val_epoch": fitting and _compat.should_check_val_epoch(trainer),
+        "should_stop": trainer.should_stop,
+    }
+
+
+def _metrics(trainer: pl.Trainer) -> dict[str, Any]:
+    """Runs on rank 0 alone: reads only committed metrics, which starts no collective."""
+    progress_bar, callback, logged = _compat.committed_metrics(trainer)
+    loggers = trainer.loggers
+    return {
+        "progress_bar": dict(progress_bar),
+        "callback": to_cpu(dict(callback)),
+        "logged": to_cpu(dict(logged)),
+        "logger_version": loggers[0].version if loggers else None,
+    }
+
+
+class EventForwarderBase:
+    """Runs on rank 0. A callback that sends every hook's event to the run monitor.
+
+    Each event is sent at the next hook at the earliest: only then has Lightning committed, on
+    every rank, the metrics logged up to the end of the event's hook (see :func:`_metrics`).
+    """
+
+    def __init__(self, monitor: Any) -> None:
+        super().__init__()
+        self._monitor = monitor
+        self._trainer: pl.Trainer | None = None
+        self._pending: list[Event] = []
+        self._last_flush = 0.0
+        #: Whether what is pending goes out at the next hook (decided as the last event came).
+        self._due = False
+
+    def _event(self, trainer: pl.Trainer, hook: str, *args: Any, boundary: bool = False) -> None:
+        self._trainer = trainer
+        if self._due:
+            self._flush()
+        self._pending.append((hook, args, _state(trainer), None))
+        # decided now, not at the next hook: with slow steps, each batch's end goes out at the
+        # next batch's start, with that batch's metrics
+        self._due = boundary or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
+
+    def _flush(self, wait: bool = False, keep_last: bool = False) -> None:
+        keep_from = len(self._pending) - 1 if keep_last else len(self._pending)
+        if keep_from <= 0 or self._trainer is None:
+            return
+        hook, args, state, _ = self._pending[keep_from - 1]
+        self._pending[keep_from - 1] = (hook, args, state, _metrics(self._trainer))
+        events, self._pending = self._pending[:keep_from], self._pending[keep_from:]
+        self._last_flush = time.monotonic()
+        self._due = False
+        sent = self._monitor.add_events.remote(cloudpickle.dumps(events))
+        if wait:
+            # the run's last events reach the monitor before rank 0's result reaches the driver
+            ray.get(sent, timeout=_MONITOR_CALL_S)
+
+    def send_now(self, keep_last: bool = False) -> None:
+        """Sends what is pending, with the metrics committed so far, and waits for it; never
+        raises. Before a function sent to the driver, the latest event stays pending
+        (``keep_last``): its hook is still running, and its metrics are not committed yet."""
+        try:
+            self._flush(wait=True, keep_last=keep_last)
+        except Exception:
+            log.debug("Could not send the last events", exc_info=True)
+
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        self._event(trainer, "setup", stage, boundary=True)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        # the last hook: every metric of the call is committed; one send for all that is pending
+        self._trainer = trainer
+        self._pending.append(("teardown", (stage,), _state(trainer), None))
+        self._flush(wait=True)
+
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_sanity_check_start", boundary=True)
+
+    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_sanity_check_end", boundary=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_train_start", boundary=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_train_end", boundary=True)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_train_epoch_start", boundary=True)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_train_epoch_end", boundary=True)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._event(trainer, "on_train_batch_start", batch_idx)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._event(trainer, "on_train_batch_end", batch_idx)
+
+    # validation, test and predict have the same hooks; each is spelled out, as Lightning calls
+    # only the hooks a callback's class defines
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_validation_start", boundary=True)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_validation_end", boundary=True)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_validation_epoch_start", boundary=True)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_validation_epoch_end", boundary=True)
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_validation_batch_start", batch_idx, dataloader_idx)
+
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_validation_batch_end", batch_idx, dataloader_idx)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_test_start", boundary=True)
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_test_end", boundary=True)
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_test_epoch_start", boundary=True)
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_test_epoch_end", boundary=True)
+
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_test_batch_start", batch_idx, dataloader_idx)
+
+    def on_test_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_test_batch_end", batch_idx, dataloader_idx)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_predict_start", boundary=True)
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_predict_end", boundary=True)
+
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_predict_epoch_start", boundary=True)
+
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._event(trainer, "on_predict_epoch_end", boundary=True)
+
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_predict_batch_start", batch_idx, dataloader_idx)
+
+    def on_predict_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self._event(trainer, "on_predict_batch_end", batch_idx, dataloader_idx)

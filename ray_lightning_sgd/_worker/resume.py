@@ -1,0 +1,91 @@
+"""Runs on each worker: the run's resume checkpoint, written every N epochs when restarts are on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The latest resume checkpoint of a run: its bytes, or the URI it was written to."""
+
+    epoch: int
+    global_step: int
+    data: bytes | None = None
+    uri: str | None = None
+
+
+class ResumeCheckpointBase:
+    """Runs on each worker. A callback that saves the run's resume checkpoint every N epochs.
+
+    Every rank takes part in ``Trainer.save_checkpoint`` (it synchronises); rank 0 writes it, to
+    ``storage`` when one is given (a local path or an fsspec URI), else to a local temporary file
+    whose bytes it hands to the monitor.
+    """
+
+    def __init__(self, monitor: Any, every_n_epochs: int, storage: str | None) -> None:
+        super().__init__()
+        self._monitor = monitor
+        self._every = every_n_epochs
+        self._storage = storage
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the run is over: its resume checkpoint (in its own folder of the storage) is not needed
+        if self._storage is not None and trainer.global_rank == 0:
+            import fsspec  # on the worker only: the run monitor's actor imports this module too
+
+            try:
+                filesystem, path = fsspec.core.url_to_fs(self._storage)
+                if filesystem.exists(path):
+                    filesystem.rm(path, recursive=True)
+            except Exception as err:  # noqa: BLE001 - the fit succeeded; a stale file is no error
+                log.warning("Could not remove the resume checkpoint in %s: %s", self._storage, err)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if (trainer.current_epoch + 1) % self._every:
+            return
+        if self._storage is not None:
+            uri = self._storage.rstrip("/") + "/resume.ckpt"
+            trainer.save_checkpoint(uri)
+            point = ResumePoint(trainer.current_epoch, trainer.global_step, uri=uri)
+        else:
+            fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
+            os.close(fd)
+            try:
+                trainer.save_checkpoint(path)
+                data = _read(path) if trainer.global_rank == 0 else None
+            finally:
+                os.unlink(path)
+            point = ResumePoint(trainer.current_epoch, trainer.global_step, data=data)
+        if trainer.global_rank == 0:
+            # waited for: the checkpoint must be safe on the driver's node before training goes on
+            ray.get(self._monitor.set_resume.remote(point), timeout=600)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def materialise(point: ResumePoint) -> str:
+    """Runs on each worker. Returns a path Lightning can resume from (a local copy of the bytes)."""
+    if point.uri is not None:
+        return point.uri
+    if point.data is None:
+        raise ValueError("a resume point holds either a uri or the checkpoint's bytes")
+    fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
+    with os.fdopen(fd, "wb") as file:
+        file.write(point.data)
+    return path

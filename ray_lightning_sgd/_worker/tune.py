@@ -1,0 +1,131 @@
+"""Ray Tune: a Lightning run with RaySGDStrategy as one Tune trial.
+
+.. code-block:: python
+
+    from ray import tune
+
+    def train(config):
+        trainer = pl.Trainer(
+            strategy=RaySGDStrategy(num_workers=2),
+            callbacks=[TuneReportCallback({"acc": "val_acc"}, save_checkpoints=True)],
+        )
+        trainer.fit(Model(lr=config["lr"]), datamodule=dm)
+
+    resources = RaySGDStrategy(num_workers=2).tune_resources()
+    tune.Tuner(tune.with_resources(train, resources), param_space={...}).fit()
+
+The trial's process is the run's driver. ``tune_resources()`` asks Tune for a placement group with
+one bundle per worker (the driver itself needs none), and the strategy starts its workers in the
+bundles of the trial's placement group instead of asking for a second one.
+:class:`TuneReportCallback` runs on the workers: at each validation end (or train epoch end) rank
+0 sends the chosen metrics, and if asked a checkpoint, to the driver, which reports them to Tune.
+
+``TuneReportCallback`` here is the one of ``pytorch_lightning`` where it is installed, else of
+``lightning``; each namespace module has its own (``ray_lightning_sgd.lightning.TuneReportCallback``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ray_lightning_sgd._worker.events import send_to_driver
+from ray_lightning_sgd.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+
+#: The hooks at which TuneReportCallback can report.
+REPORT_ON = ("validation_end", "train_epoch_end")
+
+
+class TuneReportCallbackBase:
+    """Runs on the workers. Reports rank 0's metrics (and optionally a checkpoint) to Tune.
+
+    Args:
+        metrics: Which of ``trainer.callback_metrics`` to report: a name, a list of names, a
+            mapping of Tune's name to Lightning's, or None for all of them.
+        on: When: ``"validation_end"`` (after every validation, not the sanity check) or
+            ``"train_epoch_end"``, or a list of both.
+        save_checkpoints: Also report a Lightning checkpoint of the run at that point (every rank
+            takes part in writing it, as in ``Trainer.save_checkpoint``).
+        filename: The checkpoint's file name inside Tune's checkpoint directory.
+    """
+
+    def __init__(
+        self,
+        metrics: str | Sequence[str] | Mapping[str, str] | None = None,
+        on: str | Sequence[str] = "validation_end",
+        save_checkpoints: bool = False,
+        filename: str = "checkpoint.ckpt",
+    ) -> None:
+        super().__init__()
+        if isinstance(metrics, str):
+            metrics = [metrics]
+        if metrics is not None and not isinstance(metrics, Mapping):
+            metrics = {name: name for name in metrics}
+        self._metrics: dict[str, str] | None = None if metrics is None else dict(metrics)
+        hooks = [on] if isinstance(on, str) else list(on)
+        unknown = [hook for hook in hooks if hook not in REPORT_ON]
+        if unknown or not hooks:
+            raise ConfigurationError(
+                f"TuneReportCallback(on={on!r}): report on one or both of {', '.join(REPORT_ON)}"
+            )
+        self._on = frozenset(hooks)
+        self._save_checkpoints = bool(save_checkpoints)
+        self._filename = filename
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if "validation_end" in self._on and not trainer.sanity_checking:
+            self._report(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if "train_epoch_end" in self._on:
+            self._report(trainer)
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        available = trainer.callback_metrics
+        wanted = self._metrics if self._metrics is not None else {k: k for k in available}
+        missing = [name for name in wanted.values() if name not in available]
+        if missing:
+            raise KeyError(
+                f"TuneReportCallback reports {missing}, which the model has not logged; logged "
+                f"are {sorted(available)}"
+            )
+        metrics = {tune_name: float(available[name]) for tune_name, name in wanted.items()}
+        data = self._checkpoint_bytes(trainer) if self._save_checkpoints else None
+        if trainer.global_rank == 0:
+            send_to_driver(report_to_tune, metrics, data, self._filename)
+
+    def _checkpoint_bytes(self, trainer: pl.Trainer) -> bytes | None:
+        fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-tune-", suffix=".ckpt")
+        os.close(fd)
+        try:
+            trainer.save_checkpoint(path)
+            if trainer.global_rank != 0:
+                return None
+            with open(path, "rb") as file:
+                return file.read()
+        finally:
+            os.unlink(path)
+
+
+def report_to_tune(metrics: dict[str, float], data: bytes | None, filename: str) -> None:
+    """Runs on the driver (the trial's process). Reports to Tune, with the checkpoint if any."""
+    from ray import tune
+
+    if data is None:
+        tune.report(metrics)
+        return
+    folder = tempfile.mkdtemp(prefix="ray_lightning_sgd-tune-")
+    try:
+        with open(os.path.join(folder, filename), "wb") as file:
+            file.write(data)
+        # Tune copies the folder into the trial's storage before report returns
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""A gang of Ray actors: its configuration, ranks, placement, the worker actor and its context, and its errors."""

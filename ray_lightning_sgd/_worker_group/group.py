@@ -1,0 +1,347 @@
+"""The worker group: a gang of Ray actors, reserved together in one placement group.
+
+The driver creates a :class:`WorkerGroup`, calls :meth:`WorkerGroup.start` and then runs functions on
+its workers with ``execute``, ``execute_async``, ``execute_single`` and ``execute_single_async``.
+Workers are kept in rank order (see :mod:`ray_lightning_sgd._worker_group.ranks`): worker ``i`` is
+global rank ``i``. A function that runs on a worker can read where it stands with
+:func:`~ray_lightning_sgd._worker_group.context.get_worker_context`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_lightning_sgd._worker_group import cluster
+from ray_lightning_sgd._worker_group.config import NAME_PREFIX, WorkerGroupConfig
+from ray_lightning_sgd._worker_group.context import WorkerContext, set_context
+from ray_lightning_sgd._worker_group.errors import (
+    actor_of,
+    blame_a_lost_peer,
+    chain,
+    may_follow_a_lost_peer,
+    remaining,
+    translate,
+)
+from ray_lightning_sgd._worker_group.ranks import (
+    WorkerMetadata,
+    WorkerRank,
+    assign_ranks,
+    device_index,
+    rank_order,
+    visible_devices,
+)
+from ray_lightning_sgd._worker_group.worker import _Worker
+from ray_lightning_sgd.exceptions import (
+    ResourcesUnavailableError,
+    WorkerGroupError,
+    WorkerTimeoutError,
+)
+
+log = logging.getLogger(__name__)
+
+
+T = TypeVar("T")
+
+
+_SHUTDOWN_WAIT_S = 10.0
+
+
+_WATCH_INTERVAL_S = 1.0
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    STARTED = "started"
+    SHUTDOWN = "shut down"
+
+
+class WorkerGroup:
+    """A gang of Ray actors that run functions for the driver.
+
+    Creating a group touches no Ray state; :meth:`start` reserves the placement group and starts the
+    actors, :meth:`shutdown` kills them and frees the reservation.
+    """
+
+    def __init__(self, config: WorkerGroupConfig) -> None:
+        self._config = config
+        self._state = _State.NEW
+        self._name = f"{NAME_PREFIX}-{uuid.uuid4().hex[:12]}"
+        # only a group this worker group made; one it runs inside is its owner's to free
+        self._placement_group: PlacementGroup | None = None
+        self._bundles: list[int] = []
+        self._actors: list[ray.actor.ActorHandle] = []
+        self._metadata: list[WorkerMetadata] = []
+        self._ranks: list[WorkerRank] = []
+
+    @property
+    def config(self) -> WorkerGroupConfig:
+        """The configuration the group was created with."""
+        return self._config
+
+    @property
+    def name(self) -> str:
+        """The name of the group's placement group, and the prefix of its actors' names."""
+        return self._name
+
+    @property
+    def metadata(self) -> list[WorkerMetadata]:
+        """What each worker reported about itself, in rank order."""
+        self._require(_State.STARTED, "read metadata")
+        return list(self._metadata)
+
+    @property
+    def ranks(self) -> list[WorkerRank]:
+        """The rank of each worker, in rank order."""
+        self._require(_State.STARTED, "read ranks")
+        return list(self._ranks)
+
+    def __len__(self) -> int:
+        return self._config.num_workers
+
+    def start(self) -> None:
+        """Driver side: reserves all workers at once, starts them and assigns their ranks.
+
+        Raises:
+            ResourcesUnavailableError: If the cluster cannot place the workers within
+                ``startup_timeout_s``.
+        """
+        self._require(_State.NEW, "start")
+        config = self._config
+        deadline = time.monotonic() + config.startup_timeout_s
+        cluster.check_placement_is_possible(
+            config.resources_per_worker, config.num_workers, config.placement_strategy
+        )
+        try:
+            self._actors = self._start_actors(self._reserve(deadline))
+            self._state = _State.STARTED
+            metadata = self._get(
+                [actor.metadata.remote() for actor in self._actors],
+                timeout_s=remaining(deadline),
+                what="start the workers",
+                metadata=[],
+            )
+            order = rank_order(metadata)
+            self._actors = [self._actors[i] for i in order]
+            self._metadata = [metadata[i] for i in order]
+            self._ranks = assign_ranks(self._metadata)
+            devices = visible_devices(self._metadata)
+            self._get(
+                [
+                    actor.execute.remote(
+                        set_context,
+                        WorkerContext(meta, rank, device_index(meta, devices[meta.node_id])),
+                        devices[meta.node_id],
+                    )
+                    for actor, meta, rank in zip(
+                        self._actors, self._metadata, self._ranks, strict=True
+                    )
+                ],
+                timeout_s=remaining(deadline),
+                what="start the workers",
+                metadata=self._metadata,
+            )
+            if config.init_hook is not None:
+                self._get(
+                    self.execute_async(config.init_hook),
+                    timeout_s=remaining(deadline),
+                    what="run init_hook within startup_timeout_s",
+                    metadata=self._metadata,
+                )
+        except BaseException:
+            self.shutdown()
+            raise
+        log.debug("Started worker group %s: %s", self._name, self._ranks)
+
+    def execute_async(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Driver side: runs ``fn`` on every worker; returns one future per worker, in rank order."""
+        self._require(_State.STARTED, "execute")
+        return [actor.execute.remote(fn, *args, **kwargs) for actor in self._actors]
+
+    def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
+        """Driver side: runs ``fn`` on every worker and returns the results in rank order."""
+        return self.get(self.execute_async(fn, *args, **kwargs))
+
+    def execute_single_async(
+        self, index: int, fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> ray.ObjectRef:
+        """Driver side: runs ``fn`` on the worker of global rank ``index``; returns its future."""
+        self._require(_State.STARTED, "execute")
+        if not 0 <= index < len(self._actors):
+            raise IndexError(f"worker index must be in [0, {len(self._actors)}), got {index}")
+        return self._actors[index].execute.remote(fn, *args, **kwargs)
+
+    def execute_single(self, index: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Driver side: runs ``fn`` on the worker of global rank ``index`` and returns its result."""
+        return self.get([self.execute_single_async(index, fn, *args, **kwargs)])[0]
+
+    def get(
+        self,
+        refs: Sequence[ray.ObjectRef],
+        timeout_s: float | None = None,
+        watch: Callable[[], None] | None = None,
+        watch_interval_s: float = _WATCH_INTERVAL_S,
+    ) -> list[Any]:
+        """Driver side: waits for futures of this group's workers, failing as soon as one fails.
+
+        An exception raised by user code is re-raised with its own type and a note naming the
+        rank; a worker that died raises :class:`WorkerDiedError`. ``watch``, if given, is called
+        every ``watch_interval_s`` while nothing has finished; what it raises ends the wait.
+        """
+        return self._get(
+            refs,
+            timeout_s=timeout_s,
+            what="finish",
+            metadata=self._metadata,
+            watch=watch,
+            watch_interval_s=watch_interval_s,
+        )
+
+    def shutdown(self) -> None:
+        """Driver side: kills every worker and frees the placement group. Never blocks for long."""
+        if self._state is _State.SHUTDOWN:
+            return
+        self._state = _State.SHUTDOWN
+        actors, self._actors = self._actors, []
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        if actors:
+            # a call on a killed actor fails once Ray knows it is dead: wait for that, boundedly
+            probes: list[ray.ObjectRef] = [actor.metadata.remote() for actor in actors]
+            ray.wait(probes, num_returns=len(probes), timeout=_SHUTDOWN_WAIT_S)
+        if self._placement_group is not None:
+            remove_placement_group(self._placement_group)
+            self._placement_group = None
+        log.debug("Shut down worker group %s", self._name)
+
+    def _require(self, state: _State, action: str) -> None:
+        if self._state is not state:
+            raise WorkerGroupError(
+                f"cannot {action} on a worker group that is {self._state.value}; "
+                f"it must be {state.value}"
+            )
+
+    def _reserve(self, deadline: float) -> PlacementGroup:
+        config = self._config
+        bundle = dict(config.resources_per_worker)
+        enclosing = get_current_placement_group()
+        if enclosing is not None:
+            # a Ray Tune trial (or any task in a placement group): use its bundles, not a second
+            # group that the trial's own reservation may leave no room for
+            self._bundles = bundles_for_workers(enclosing.bundle_specs, bundle, config.num_workers)
+            return enclosing
+        self._bundles = list(range(config.num_workers))
+        group = placement_group(
+            [bundle] * config.num_workers, strategy=config.placement_strategy, name=self._name
+        )
+        self._placement_group = group  # so that shutdown() frees it if the wait is interrupted
+        ready, _ = ray.wait([group.ready()], timeout=remaining(deadline))
+        if not ready:
+            remove_placement_group(group)
+            self._placement_group = None
+            raise ResourcesUnavailableError(
+                f"the cluster did not place {config.num_workers} workers of {bundle} "
+                f"({config.placement_strategy}) within startup_timeout_s="
+                f"{config.startup_timeout_s}s; {cluster.describe_available()}. Free resources, add "
+                "nodes, ask for less, or raise startup_timeout_s"
+            )
+        return group
+
+    def _start_actors(self, group: PlacementGroup) -> list[Any]:
+        config = self._config
+        resources = dict(config.resources_per_worker)
+        num_cpus = resources.pop("CPU", 0)
+        num_gpus = resources.pop("GPU", 0)
+        runtime_env = {"env_vars": dict(config.worker_env)} if config.worker_env else None
+        actor_cls = ray.remote(_Worker)
+        return [
+            actor_cls.options(
+                name=f"{self._name}-{index}",
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                resources=resources,
+                runtime_env=runtime_env,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=self._bundles[index]
+                ),
+            ).remote()
+            for index in range(config.num_workers)
+        ]
+
+    def _get(
+        self,
+        refs: Sequence[ray.ObjectRef],
+        *,
+        timeout_s: float | None,
+        what: str,
+        metadata: Sequence[WorkerMetadata],
+        watch: Callable[[], None] | None = None,
+        watch_interval_s: float = _WATCH_INTERVAL_S,
+    ) -> list[Any]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            # bounded waits: a blocking ray.wait can hold off the driver's Ctrl-C handler
+            wait_s = watch_interval_s
+            if deadline is not None:
+                wait_s = min(wait_s, remaining(deadline))
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            if not ready and (deadline is None or remaining(deadline)):
+                if watch is not None:
+                    watch()
+                continue
+            if not ready:
+                raise WorkerTimeoutError(
+                    f"the workers of {self._name} did not {what} within {timeout_s:.1f}s"
+                )
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayError as err:
+                    error, cause = translate(err, metadata, actor_of(ref)), chain(err)
+                    if pending and may_follow_a_lost_peer(error):
+                        error, cause = blame_a_lost_peer(pending, metadata, error, cause)
+                    raise error from cause
+        try:
+            return ray.get(list(refs))
+        except GetTimeoutError as err:  # pragma: no cover - every ref is ready here
+            raise WorkerGroupError(f"results of {self._name} vanished") from err
+
+
+def bundles_for_workers(
+    specs: Sequence[Mapping[str, float]], bundle: Mapping[str, float], num_workers: int
+) -> list[int]:
+    """The indices of an enclosing placement group's bundles that the workers take: the last
+    ``num_workers`` bundles that each hold ``bundle`` (a Tune trial's head bundle comes first).
+
+    Raises:
+        ResourcesUnavailableError: The group has too few such bundles.
+    """
+    fitting = [
+        index
+        for index, spec in enumerate(specs)
+        if all(spec.get(name, 0.0) >= amount for name, amount in bundle.items())
+    ]
+    if len(fitting) < num_workers:
+        raise ResourcesUnavailableError(
+            f"this call runs inside a placement group (a Ray Tune trial's?) whose bundles are "
+            f"{[dict(s) for s in specs]}; {num_workers} workers need {num_workers} bundles of "
+            f"{dict(bundle)}. Give the trial the strategy's own request: "
+            "tune.with_resources(trainable, strategy.tune_resources())"
+        )
+    return fitting[len(fitting) - num_workers :]

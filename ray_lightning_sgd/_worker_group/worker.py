@@ -1,0 +1,68 @@
+"""The worker actor: runs the functions the driver sends, and notes where their errors came from."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import ray
+
+from ray_lightning_sgd._worker_group.context import current_context
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
+
+T = TypeVar("T")
+
+
+#: The attribute a worker sets on an exception raised inside ``torch.distributed``.
+IN_COLLECTIVE = "_ray_lightning_sgd_in_collective"
+
+
+class _Worker:
+    """Runs on each worker. The Ray actor that executes the functions the driver sends."""
+
+    def metadata(self) -> WorkerMetadata:
+        context = ray.get_runtime_context()
+        return WorkerMetadata(
+            node_id=context.get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            actor_id=context.get_actor_id() or "",
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+        )
+
+    def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as err:
+            # the driver re-raises this very exception; say where it came from
+            where = f"pid {os.getpid()} on {ray.util.get_node_ip_address()}"
+            context = current_context()
+            if context is not None:
+                rank = context.rank
+                where = (
+                    f"rank {rank.global_rank} of {rank.world_size} (node "
+                    f"{context.metadata.node_id[:12]}, {where})"
+                )
+            err.add_note(f"Raised on {where}. Worker traceback:\n{traceback.format_exc()}")
+            if _raised_inside_torch(err):
+                # travels with the exception (its __dict__ is pickled): the driver may blame a
+                # lost peer for it, never for an error of user code that reads alike
+                setattr(err, IN_COLLECTIVE, True)
+            raise
+
+
+def _raised_inside_torch(err: BaseException) -> bool:
+    """Runs on each worker. Whether ``err`` came out of torch itself: its innermost Python frame
+    is in the torch package (``torch.distributed``, or the autograd engine whose backward runs
+    DDP's all-reduce in C++), not in user code."""
+    torch = sys.modules.get("torch")
+    frames = traceback.extract_tb(err.__traceback__)
+    if torch is None or torch.__file__ is None or not frames:
+        return False
+    package = os.path.dirname(torch.__file__) + os.sep
+    return frames[-1].filename.startswith(package)
