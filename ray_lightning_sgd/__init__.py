@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 #: The names that belong to a Lightning namespace, resolved on first use.
 _FLAVOURED = ("RayEnvironment", "RaySGDStrategy")
 #: Names whose modules import torch, resolved on first use: the package itself stays light for
-#: the small actors that import it (the run monitor).
+#: the processes that only need its configs and exceptions.
 _LAZY = {
     "TorchBackend": ("ray_lightning_sgd.torch_backend", "TorchBackend"),
     "TorchConfig": ("ray_lightning_sgd.torch_backend", "TorchConfig"),

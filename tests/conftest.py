@@ -79,11 +79,8 @@ def assert_only_idle_workers_left(release: bool = True) -> int:
     those unless ``release`` is False; returns how many idle groups there were."""
     # warm workers may stay up, but only as idle groups the pool knows; anything else is a leak
     idle = pool.idle_group_names()
-    monitor = pool.idle_monitor_name()
     actors, groups = leftovers()
-    assert monitor is None or idle, "the run monitor is kept only with warm workers"
-    kept = idle + ([monitor] if monitor else [])
-    unknown = [name for name in actors + groups if not any(name.startswith(g) for g in kept)]
+    unknown = [name for name in actors + groups if not any(name.startswith(g) for g in idle)]
     assert unknown == [], "a test left actors or placement groups of ours running"
     if not release:
         return len(idle)

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import time
 
 import pytest
+import ray
 import ray._private.ray_constants as ray_constants
 
 from ray_lightning_sgd import _compat
-from ray_lightning_sgd._compat import ray as _compat_ray
 from ray_lightning_sgd import lightning as rls_lightning
 from ray_lightning_sgd import pytorch_lightning as rls_pl
+from ray_lightning_sgd._compat import ray as _compat_ray
 
 NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
 
@@ -121,3 +123,93 @@ def test_no_assert_guards_runtime_behaviour():
             if isinstance(node, ast.Assert):
                 found.append(f"{path.name}:{node.lineno}")
     assert found == [], f"assert statements in the package: {found}"
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_fit_impl_takes_ckpt_path(namespace):
+    trainer_cls = importlib.import_module(namespace).Trainer
+    fit_impl = getattr(trainer_cls, "_fit_impl", None)
+    assert fit_impl is not None, (
+        f"{namespace}.Trainer._fit_impl moved; update _compat.with_ckpt_path"
+    )
+    assert "ckpt_path" in inspect.signature(fit_impl).parameters, (
+        f"{namespace}.Trainer._fit_impl takes no ckpt_path any more; update _compat.with_ckpt_path"
+    )
+
+    def entry(model, train_dataloaders=None, ckpt_path=None):
+        return model, ckpt_path
+
+    args, kwargs = _compat.with_ckpt_path(entry, ("model",), {}, "/tmp/resume.ckpt")
+    assert entry(*args, **kwargs) == ("model", "/tmp/resume.ckpt")
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_loops_have_a_settable_restarting_flag(namespace):
+    trainer = importlib.import_module(namespace).Trainer(logger=False, enable_progress_bar=False)
+    loop = trainer.fit_loop
+    assert isinstance(inspect.getattr_static(type(loop), "restarting", None), property), (
+        f"{namespace}'s loops have no restarting property any more; update "
+        "_compat.mark_loop_finished"
+    )
+    loop.restarting = True
+    _compat.mark_loop_finished(loop)
+    assert loop.restarting is False
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_progress_bars_read_should_check_val_epoch(namespace):
+    bar = importlib.import_module(namespace).callbacks.ProgressBar
+    assert "fit_loop.epoch_loop._should_check_val_epoch()" in inspect.getsource(bar), (
+        f"{namespace}'s ProgressBar no longer asks fit_loop.epoch_loop._should_check_val_epoch(); "
+        "update _compat.val_check_view"
+    )
+    assert _compat.val_check_view(True).epoch_loop._should_check_val_epoch() is True
+    assert _compat.val_check_view(False).epoch_loop._should_check_val_epoch() is False
+
+
+def test_torch_has_its_distributed_error_classes():
+    import torch.distributed as dist
+
+    for name in _compat.torch.PEER_LOSS_ERRORS:
+        assert isinstance(getattr(dist, name, None), type), (
+            f"torch.distributed.{name} moved; update _compat.torch.PEER_LOSS_ERRORS"
+        )
+    assert _compat.torch.reads_as_a_lost_peer(dist.DistBackendError("gone"))
+    assert _compat.torch.reads_as_a_lost_peer(RuntimeError("[gloo] Connection closed by peer"))
+    assert not _compat.torch.reads_as_a_lost_peer(ValueError("broken pipe"))
+
+
+def test_ray_object_refs_name_their_actor(ray_cluster):
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def ping(self) -> str:
+            return ray.get_runtime_context().get_actor_id()
+
+    actor = Probe.remote()
+    try:
+        ref = actor.ping.remote()
+        assert _compat.ray.actor_id_of(ref) == ray.get(ref), (
+            "ObjectRef.task_id().actor_id() no longer names the actor; update _compat.ray.actor_id_of"
+        )
+        assert _compat.ray.actor_id_of(ray.put(1)) != ray.get(ref)
+    finally:
+        ray.kill(actor)
+
+
+def test_ray_names_placement_group_resources_apart(free_cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group([{"CPU": 0.001}])
+    try:
+        ray.get(group.ready(), timeout=30)
+        deadline = time.monotonic() + 20
+        while True:  # the cluster's resource view catches up with the new group within seconds
+            names = list(ray.available_resources()) + list(ray.cluster_resources())
+            held = [name for name in names if _compat.ray.is_placement_group_resource(name)]
+            if held or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert held, f"no resource of {names} looks like a placement group's; update _compat.ray"
+        assert not _compat.ray.is_placement_group_resource("CPU")
+    finally:
+        remove_placement_group(group)

@@ -254,25 +254,41 @@ def _note_on_the_driver(path: str) -> None:
     Path(path).write_text("ran")
 
 
-def test_after_a_failure_no_queued_driver_call_runs(ray_cluster, tmp_path):
-    import ray
+def _leave_a_driver_call(call_id: str, path: str) -> None:
+    """Runs on a worker: what send_to_driver leaves in the outbox (a Tune report, say)."""
     from ray import cloudpickle
 
-    from ray_lightning_sgd._driver.monitor import RunMonitor
+    from ray_lightning_sgd._worker.events import CALL, EVENTS
+    from ray_lightning_sgd._worker_group.outbox import get_outbox
+
+    get_outbox().open(call_id)
+    event = (CALL, (_note_on_the_driver, (path,)), {}, None)
+    get_outbox().append(EVENTS, [cloudpickle.dumps([event])])
+
+
+def test_after_a_failure_no_queued_driver_call_runs(free_cluster, tmp_path):
+    from ray_lightning_sgd import WorkerGroup, WorkerGroupConfig
+    from ray_lightning_sgd._driver.inbox import RunInbox
     from ray_lightning_sgd._driver.replay import DriverReplay
-    from ray_lightning_sgd._worker.events import _CALL
 
     marker = tmp_path / "ran"
-    monitor = RunMonitor(None)
+    group = WorkerGroup(WorkerGroupConfig(num_workers=1))
+    group.start()
     try:
-        # rank 0 sent a function to run on the driver (a Tune report), then the call failed
-        event = (_CALL, (_note_on_the_driver, (str(marker),)), {}, None)
-        ray.get(monitor.actor.add_events.remote(cloudpickle.dumps([event])))
-        replay = DriverReplay(pl.Trainer(logger=False), [], monitor)
-        replay.fail(RuntimeError("a rank failed"))
+        # rank 0 sent a function to run on the driver, then the attempt failed
+        group.execute(_leave_a_driver_call, "failed", str(marker))
+        inbox = RunInbox(DriverReplay(pl.Trainer(logger=False), []), None)
+        inbox.attach(group, "failed")
+        inbox.abandon()
+        inbox.replay.fail(RuntimeError("a rank failed"))
         assert not marker.exists(), "a failed call ran a function its workers had sent"
+        # the same mail after a success does run: the check above could fail
+        group.execute(_leave_a_driver_call, "succeeded", str(marker))
+        inbox.attach(group, "succeeded")
+        inbox.finish()
+        assert marker.read_text() == "ran"
     finally:
-        monitor.shutdown()
+        group.shutdown()
 
 
 class SlowSteps(TinyModel):
@@ -314,3 +330,40 @@ def test_with_slow_steps_each_batch_end_shows_its_own_loss(ray_cluster, tmp_path
     assert len(on_rank_0) == 6
     # each batch's end reaches the driver with that batch's loss, not the one before
     assert recorder.seen == on_rank_0
+
+
+def _hand_over_a_resume_point(call_id: str, size: int) -> bool:
+    """Runs on a worker, as rank 0's resume checkpoint callback does: puts a point of ``size``
+    bytes in the outbox and waits until the driver holds it."""
+    from ray_lightning_sgd._worker.resume import RESUME, ResumePoint
+    from ray_lightning_sgd._worker_group.outbox import get_outbox
+
+    outbox = get_outbox()
+    outbox.open(call_id)
+    sequence = outbox.put_latest(RESUME, ResumePoint(3, 42, data=b"\x07" * size))
+    return outbox.wait_delivered(RESUME, sequence, timeout_s=120)
+
+
+def test_a_large_resume_point_ends_up_in_the_drivers_memory(free_cluster):
+    """No fixed timeout on reading it back at a restart: the driver already holds its bytes,
+    and they outlive every worker."""
+    import ray
+
+    from ray_lightning_sgd import WorkerGroup, WorkerGroupConfig
+    from ray_lightning_sgd._driver.inbox import RunInbox
+
+    size = 256 * 2**20
+    group = WorkerGroup(WorkerGroupConfig(num_workers=1))
+    group.start()
+    try:
+        inbox = RunInbox(None, None)
+        inbox.attach(group, "call")
+        [ref] = group.execute_async(_hand_over_a_resume_point, "call", size)
+        while not ray.wait([ref], timeout=0.05)[0]:
+            inbox.pump()
+        assert ray.get(ref) is True, "rank 0 went on before the driver held its checkpoint"
+    finally:
+        group.shutdown()  # every worker is gone now
+    point = inbox.resume
+    assert point is not None and (point.epoch, point.global_step) == (3, 42)
+    assert len(point.data) == size and point.data[:1] == point.data[-1:] == b"\x07"

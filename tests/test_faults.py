@@ -85,7 +85,7 @@ def test_a_killed_actor_fails_the_fit_within_10_seconds(ray_cluster, tmp_path):
 
     def kill_rank_0() -> None:
         while True:
-            names = [n for n in leftovers()[0] if n.endswith("-0") and "monitor" not in n]
+            names = [n for n in leftovers()[0] if n.endswith("-0")]
             if names:
                 break
             time.sleep(0.2)
@@ -205,9 +205,9 @@ def test_repeated_calls_leave_nothing_behind(ray_cluster):
         trainer.fit(model, loader())
         trainer.validate(model, loader(n=40), verbose=False)
     actors, groups = leftovers()
-    workers = [name for name in actors if "monitor" not in name]
-    assert len(workers) == 2 and len(groups) == 1, "only the one warm group may stay"
-    assert len(actors) == 3, "and the one run monitor kept with it"
+    assert len(actors) == 2 and len(groups) == 1, (
+        "only the one warm group may stay: no helper actor"
+    )
     assert process.num_fds() - fds <= 5
     assert process.memory_info().rss - rss < 100 * 2**20
 

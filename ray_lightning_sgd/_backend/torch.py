@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ray_lightning_sgd._backend.base import Backend, BackendConfig
-from ray_lightning_sgd._worker_group.context import get_worker_context
 from ray_lightning_sgd._worker_group.group import WorkerGroup
+from ray_lightning_sgd._worker_group.ranks import WorkerRank
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -93,13 +93,22 @@ class TorchBackend(Backend):
             address,
             port,
         )
-        worker_group.execute(
-            _init_process_group,
-            backend=backend,
-            init_method=backend_config.init_method,
-            address=address,
-            port=port,
-            timeout_s=backend_config.timeout_s,
+        # each worker joins under the rank and device its group assigned, given as arguments
+        worker_group.get(
+            [
+                worker_group.execute_single_async(
+                    index,
+                    _init_process_group,
+                    rank=worker.rank,
+                    device_index=worker.device_index,
+                    backend=backend,
+                    init_method=backend_config.init_method,
+                    address=address,
+                    port=port,
+                    timeout_s=backend_config.timeout_s,
+                )
+                for index, worker in enumerate(worker_group.workers)
+            ]
         )
 
     def on_shutdown(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
@@ -128,11 +137,16 @@ def _rendezvous_address() -> tuple[str, int]:
 
 
 def _init_process_group(
-    backend: str, init_method: str, address: str, port: int, timeout_s: float
+    rank: WorkerRank,
+    device_index: int | None,
+    backend: str,
+    init_method: str,
+    address: str,
+    port: int,
+    timeout_s: float,
 ) -> None:
-    """Runs on each worker. Joins the process group under the rank the worker group assigned."""
-    rank = get_worker_context().rank
-    device_index = get_worker_context().device_index
+    """Runs on each worker. Joins the process group as ``rank``, on CUDA device ``device_index``
+    with NCCL; sets the environment variables that torch.distributed's tools read."""
     os.environ.update(
         MASTER_ADDR=address,
         MASTER_PORT=str(port),

@@ -6,12 +6,16 @@ release moves it. :mod:`.flavour` collects the public members of one Lightning n
 
 from __future__ import annotations
 
+from ray_lightning_sgd._compat import ray, torch
 from ray_lightning_sgd._compat.lightning import (
     ConfigureLauncher,
     committed_metrics,
     launcher_interface,
+    mark_loop_finished,
     set_logger_version,
     should_check_val_epoch,
+    val_check_view,
+    with_ckpt_path,
 )
 from ray_lightning_sgd._compat.ray import bind_local_ray_to_loopback
 
@@ -20,6 +24,11 @@ __all__ = [
     "bind_local_ray_to_loopback",
     "committed_metrics",
     "launcher_interface",
+    "mark_loop_finished",
+    "ray",
     "set_logger_version",
     "should_check_val_epoch",
+    "torch",
+    "val_check_view",
+    "with_ckpt_path",
 ]

@@ -7,6 +7,9 @@ release moves it; both namespaces are tested.
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 #: Where each Lightning namespace keeps its (private) launcher interface.
@@ -70,3 +73,27 @@ def should_check_val_epoch(trainer: Any) -> bool:
     """Runs on a worker. Whether this training epoch ends with a validation (the TQDM bar's total
     asks it through the same private method); reads loop counters only, no collective."""
     return bool(trainer.fit_loop.epoch_loop._should_check_val_epoch())
+
+
+def with_ckpt_path(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], path: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Runs on each worker. The arguments of the Trainer's entry point (``Trainer._fit_impl``,
+    which Lightning hands the launcher) with ``ckpt_path`` set to ``path``: a restarted fit
+    resumes from there."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.arguments["ckpt_path"] = path
+    return bound.args, bound.kwargs
+
+
+def mark_loop_finished(loop: Any) -> None:
+    """Driver side: a loop whose state came from rank 0 finished there; it is not resuming
+    (``restarting`` is a property of Lightning's private loop base class)."""
+    loop.restarting = False
+
+
+def val_check_view(should_check: bool) -> Any:
+    """Driver side: what the TQDM bar reads on the driver's view of the Trainer: whether this
+    epoch ends with a validation, as ``fit_loop.epoch_loop._should_check_val_epoch()``."""
+    epoch_loop = SimpleNamespace(_should_check_val_epoch=lambda: should_check)
+    return SimpleNamespace(epoch_loop=epoch_loop)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray._private.ray_constants as _ray_constants
 
@@ -25,3 +25,26 @@ def bind_local_ray_to_loopback() -> None:
     """
     os.environ[_RAY_LOOPBACK_ENV] = "0"
     _ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def actor_id_of(ref: Any) -> str:
+    """Driver side: the id (hex) of the actor whose task returns ``ref`` (for a plain object, an id
+    that names no actor of ours; "" for a reference Ray cannot take apart).
+
+    Ray's public API names the actor of a failed task only in some of its errors; the id inside
+    the object reference names it always.
+    """
+    try:
+        return str(ref.task_id().actor_id().hex())
+    except Exception:  # noqa: BLE001 - an id Ray cannot take apart names no actor
+        return ""
+
+
+#: What the name of a resource that a placement group holds contains (``CPU_group_<id>``, ...).
+_PLACEMENT_GROUP_RESOURCE = "_group_"
+
+
+def is_placement_group_resource(name: str) -> bool:
+    """Whether ``name`` in ``ray.cluster_resources()`` is a placement group's share of a resource
+    (shown in Ray's resource lists next to the node's own)."""
+    return _PLACEMENT_GROUP_RESOURCE in name

@@ -58,11 +58,6 @@ class FailureConfig:
                 f"{self.checkpoint_storage!r}"
             )
 
-    @property
-    def monitored(self) -> bool:
-        """Whether a launch needs a monitor (restarts or a progress timeout)."""
-        return self.max_failures != 0 or self.progress_timeout_s is not None
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -1,19 +1,21 @@
 """The launcher: runs a Trainer entry point (fit, validate, test, predict) on a Ray worker group.
 
-Driver half: check the Trainer against the strategy, pickle the Trainer, model, data and global
-state, put them into Ray's object store once while a :class:`BackendExecutor` starts (or a warm one
-is taken from :mod:`ray_lightning_sgd._executor.pool`), run :func:`run_on_worker` on every worker, stop or
-keep the workers on every path, and copy what rank 0 produced back into the driver's Trainer and
-model (:func:`recover_results_in_driver`).
-
-Worker half (:func:`run_on_worker`): restore the global state, take the rank and device the group
-assigned, run the entry point, and collect what goes back (:func:`_collect_results`).
+Driver half. :meth:`RayLauncherBase.launch` checks the Trainer against the strategy
+(:mod:`.checks`), snapshots the driver's global state, describes the call as one
+:class:`~ray_lightning_sgd._worker.entry.Payload`, and runs it through the
+:class:`~ray_lightning_sgd._executor.controller.RunController`: each attempt pickles the payload into
+Ray's object store while it takes workers from the pool (:mod:`ray_lightning_sgd._executor.pool`),
+runs :func:`~ray_lightning_sgd._worker.entry.run_on_worker` on every worker while the run's inbox
+(:mod:`.inbox`) polls them, and gives the workers back on every path. Rank 0's results then go into
+the driver's Trainer and model (:mod:`.recovery`). The worker half is
+:mod:`ray_lightning_sgd._worker.entry`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import signal
 import threading
@@ -27,9 +29,10 @@ import ray
 from typing_extensions import override
 
 from ray_lightning_sgd._driver.checks import check_trainer, pack_payload
-from ray_lightning_sgd._driver.monitor import RunMonitor
+from ray_lightning_sgd._driver.failure import FailureConfig
+from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
 from ray_lightning_sgd._driver.recovery import recover_results_in_driver
-from ray_lightning_sgd._driver.replay import PUMP_INTERVAL_S, DriverReplay
+from ray_lightning_sgd._driver.replay import DriverReplay
 from ray_lightning_sgd._driver.settings import LaunchSettings
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._executor.controller import Attempts, RunController
@@ -70,7 +73,8 @@ class RayLauncherBase(_Base):
 
     def __init__(self, strategy: LaunchSettings) -> None:
         self._strategy = strategy
-        self._executor: BackendExecutor | None = None
+        #: The attempt whose workers run now (what ``kill`` stops).
+        self._attempt: _Attempt | None = None
 
     @property
     @override
@@ -86,146 +90,112 @@ class RayLauncherBase(_Base):
 
         With a Trainer, the driver's Trainer and model afterwards hold what the workers produced.
         """
-        strategy = self._strategy
+        strategy, failure = self._strategy, self._strategy.failure_config
         if trainer is not None:
             check_trainer(trainer, strategy)
         cluster.connect()
-        failure = strategy.failure_config
         fitting = trainer is not None and trainer.state.fn == FITTING
-        global_state = GlobalState.capture()
-        callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
-        monitor = self._monitor_for(trainer)
         run_id = uuid.uuid4().hex[:12]
-        replay, mirror, succeeded = None, None, False
+        callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
+        inbox = _inbox_for(trainer, callbacks, failure)
+        mirror = artifacts.prepare(trainer) if trainer is not None else None
+        attempt_numbers = itertools.count()
+        template = Payload(
+            trainer, function, args, kwargs, GlobalState.capture(), call_id=run_id,
+            forward_events=bool(callbacks),
+            report_progress=failure.progress_timeout_s is not None and trainer is not None,
+            resume_every_n_epochs=failure.checkpoint_every_n_epochs if failure.max_failures else 0,
+            resume_storage=_run_folder(failure.checkpoint_storage, run_id), artifacts=mirror,
+        )  # fmt: skip
+
+        def start(resume: ResumePoint | None) -> _Attempt:
+            call_id = f"{run_id}-{next(attempt_numbers)}"
+            return self._start_attempt(template._replace(call_id=call_id, resume=resume))
+
+        def on_restart(err: WorkerDiedError, failures: int, resume: Any) -> None:
+            _log_restart(err, failures, resume, failure.max_failures, fitting)
+
+        controller = RunController(
+            Attempts(
+                start=start,
+                run=functools.partial(self._run_attempt, inbox=inbox),
+                stop=functools.partial(self._stop_attempt, inbox=inbox),
+                resume_point=lambda: inbox.resume if fitting and inbox is not None else None,
+            ),
+            max_failures=failure.max_failures,
+            on_restart=on_restart,
+        )
         try:
-            if monitor is not None and trainer is not None:
-                replay = DriverReplay(trainer, callbacks, monitor)
-            mirror = artifacts.prepare(trainer) if trainer is not None else None
-
-            def payload(resume: ResumePoint | None) -> Payload:
-                forward_events = replay is not None and bool(callbacks)
-                return Payload(
-                    trainer, function, args, kwargs, global_state, monitor, failure, resume,
-                    forward_events, mirror, run_id,
-                )  # fmt: skip
-
-            attempts: Attempts[_Attempt, list[WorkerOutput], ResumePoint] = Attempts(
-                start=lambda resume: self._start_attempt(payload(resume)),
-                run=functools.partial(self._run_attempt, monitor=monitor, replay=replay),
-                stop=self._stop_attempt,
-                resume_point=lambda: monitor.resume() if fitting and monitor is not None else None,
-            )
-
-            def on_restart(err: WorkerDiedError, failures: int, resume: Any) -> None:
-                if replay is not None:
-                    replay.drop_calls()
-                _log_restart(err, failures, resume, failure.max_failures, fitting)
-
-            controller = RunController(
-                attempts,
-                max_failures=failure.max_failures,
-                on_restart=on_restart,
-            )
             with _sigterm_raises(strategy.flavour.sigterm_exception):
-                try:
-                    outputs = controller.run()
-                except BaseException as err:
-                    if replay is not None:
-                        replay.fail(err)
-                    raise
-            succeeded = True
+                outputs = controller.run()
+        except BaseException as err:
+            if inbox is not None and inbox.replay is not None:
+                inbox.replay.fail(err)
+            raise
         finally:
-            _finish_launch(monitor, mirror, keep_monitor=succeeded and strategy.reuse_workers)
+            _finish_artifacts(mirror)
         if trainer is None:
             return outputs[0].results
         return recover_results_in_driver(trainer, outputs)
 
-    def _monitor_for(self, trainer: pl.Trainer | None) -> RunMonitor | None:
-        """Driver side: the run monitor of a call (kept with warm workers), or None.
-
-        A Trainer's call always has one: the workers' output and rank 0's events reach the driver
-        through it.
-        """
-        failure = self._strategy.failure_config
-        if not failure.monitored and trainer is None:
-            return None
-        timeout = failure.progress_timeout_s
-        return (
-            pool.acquire_monitor(timeout) if self._strategy.reuse_workers else RunMonitor(timeout)
-        )
-
     def _start_attempt(self, payload: Payload) -> _Attempt:
         """Driver side: pickles the payload, puts it into the object store and, meanwhile, starts
-        (or takes warm) workers."""
-        # pickled here, so that what cannot be pickled fails before any worker starts; the monitor
-        # stays here: its actor handle goes with the call, made once the workers are up
-        packed = pack_payload(payload._replace(monitor=None))
+        (or takes warm) workers. Pickled first: what cannot be pickled fails before any worker
+        starts."""
+        packed = pack_payload(payload)
         putter = ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put")
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
         putter.shutdown(wait=False)
         del packed
-        return _Attempt(self._start_executor(), shipped)
+        attempt = _Attempt(None, shipped, payload.call_id)
+        self._attempt = attempt
+        attempt.executor = self._start_executor()
+        return attempt
 
-    def _run_attempt(
-        self, attempt: _Attempt, monitor: RunMonitor | None, replay: DriverReplay | None
-    ) -> list[WorkerOutput]:
-        """Driver side: runs the payload on every worker; replays events while it waits."""
+    def _run_attempt(self, attempt: _Attempt, inbox: RunInbox | None) -> list[WorkerOutput]:
+        """Driver side: runs the payload on every worker; polls them while it waits."""
         executor = attempt.executor
-        watch = None
-        if monitor is not None:
-            monitor.start_attempt(len(executor.worker_group))
-            watch = functools.partial(_watch, monitor, executor.worker_group.metadata, replay)
-        interval = PUMP_INTERVAL_S if replay is not None else 1.0
-        actor = None if monitor is None else monitor.actor
-        if attempt.shipped is None:
-            raise WorkerGroupError("an attempt runs once")
+        if executor is None or attempt.shipped is None:
+            raise WorkerGroupError("an attempt runs once, after its workers started")
+        watch, interval = None, 1.0
+        if inbox is not None:
+            inbox.attach(executor.worker_group, attempt.call_id)
+            watch, interval = inbox.pump, PUMP_INTERVAL_S
         packed = attempt.shipped.result()
-        results = executor.run(run_on_worker, packed, actor, watch=watch, watch_interval_s=interval)
-        if replay is not None:
-            replay.pump()  # the last events: rank 0 sent them before it returned
+        results = executor.run(run_on_worker, packed, watch=watch, watch_interval_s=interval)
+        if inbox is not None:
+            inbox.finish()  # the last output and events: the workers left them before returning
         return [unpack(out) for out in results]
 
-    def _stop_attempt(self, attempt: _Attempt, succeeded: bool) -> None:
+    def _stop_attempt(self, attempt: _Attempt, succeeded: bool, inbox: RunInbox | None) -> None:
+        """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers."""
+        if inbox is not None:
+            inbox.abandon()  # a lost or failed attempt: what its survivors left, no sent calls
         attempt.shipped = None  # the payload may leave the object store
-        self._stop_executor(reuse=succeeded)
+        self._attempt = None
+        executor, attempt.executor = attempt.executor, None
+        if executor is not None:
+            keep = succeeded and self._strategy.reuse_workers
+            pool.release(executor, keep=keep, graceful=succeeded)
 
     def _start_executor(self) -> BackendExecutor:
         strategy = self._strategy
-        if strategy.reuse_workers:
-            executor, warm = pool.acquire(strategy.backend_config, strategy.worker_group_config)
-            log.debug("%s workers for this call", "warm" if warm else "new")
-        else:
-            # at most one group per process: idle warm workers would hold the resources
-            pool.shutdown()
-            executor = BackendExecutor(strategy.backend_config, strategy.worker_group_config)
-            self._executor = executor
-            executor.start()
-        self._executor = executor
+        executor, warm = pool.acquire(
+            strategy.backend_config, strategy.worker_group_config, reuse=strategy.reuse_workers
+        )
+        log.debug("%s workers for this call", "warm" if warm else "new")
         return executor
-
-    def _stop_executor(self, reuse: bool) -> None:
-        executor, self._executor = self._executor, None
-        if executor is None:
-            return
-        if reuse and self._strategy.reuse_workers:
-            try:
-                pool.release(executor)
-            except BaseException:
-                executor.shutdown(graceful=False)  # neither kept nor left running
-                raise
-        else:
-            # after a failure the survivors may be stuck in a collective: kill, do not ask
-            executor.shutdown(graceful=reuse)
 
     @override
     def kill(self, signum: int) -> None:
         """Driver side: stops every worker at once."""
-        if self._executor is not None:
-            self._executor.shutdown(graceful=False)
+        attempt = self._attempt
+        if attempt is not None and attempt.executor is not None:
+            attempt.executor.shutdown(graceful=False)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_executor"] = None  # the driver's handles stay on the driver
+        state["_attempt"] = None  # the driver's handles stay on the driver
         return state
 
 
@@ -233,33 +203,34 @@ class RayLauncherBase(_Base):
 class _Attempt:
     """Driver side: one attempt's running workers and its payload in the object store."""
 
-    executor: BackendExecutor
+    executor: BackendExecutor | None
     shipped: Future[ray.ObjectRef] | None
+    call_id: str
 
 
-def _finish_launch(monitor: RunMonitor | None, mirror: Any, keep_monitor: bool) -> None:
-    """Driver side, on every path out of a launch: ends the artifacts' probe and keeps or stops
-    the run monitor. What fails here is logged: it must not replace the call's own error."""
+def _inbox_for(
+    trainer: pl.Trainer | None, callbacks: list[Callback], failure: FailureConfig
+) -> RunInbox | None:
+    """Driver side: where the workers' output, events, progress and resume points arrive; None
+    for a call without a Trainer (a plain function has no callbacks to report through)."""
+    if trainer is None:
+        return None
+    return RunInbox(DriverReplay(trainer, callbacks), failure.progress_timeout_s)
+
+
+def _run_folder(storage: str | None, run_id: str) -> str | None:
+    """This launch's own folder of ``checkpoint_storage``: runs that share the storage (Tune
+    trials) never overwrite each other's resume checkpoints."""
+    return None if storage is None else f"{storage.rstrip('/')}/run-{run_id}"
+
+
+def _finish_artifacts(mirror: Any) -> None:
+    """Driver side, on every path out of a launch: ends the artifacts' probe. What fails here is
+    logged: it must not replace the call's own error."""
     try:
         artifacts.finish(mirror)
     except Exception:
         log.warning("Could not remove the artifacts' probe file", exc_info=True)
-    if monitor is None:
-        return
-    try:
-        if keep_monitor:
-            pool.release_monitor(monitor)  # kept with the warm workers
-        else:
-            monitor.shutdown()
-    except Exception:
-        log.warning("Could not stop the run monitor", exc_info=True)
-
-
-def _watch(monitor: RunMonitor, metadata: list[Any], replay: DriverReplay | None) -> None:
-    """Driver side, while the workers run: live events to the driver's callbacks, and stalls."""
-    if replay is not None:
-        replay.pump()
-    monitor.check(metadata)
 
 
 def _driver_callbacks(trainer: pl.Trainer, strategy: LaunchSettings) -> list[Callback]:

@@ -47,7 +47,7 @@ def recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[WorkerOutpu
     trainer.should_stop = rank_zero.should_stop
     loop = loop_of(trainer)
     loop.load_state_dict(rank_zero.loop_state)
-    loop.restarting = False  # the loop finished on the workers; it is not resuming
+    _compat.mark_loop_finished(loop)
     for callback in callbacks_of(trainer):
         state = rank_zero.callback_states.get(callback.state_key)
         if state:

@@ -1,6 +1,7 @@
 """Driver side: rank 0's callback events, replayed into callbacks on the driver; the workers' output.
 
-:class:`DriverReplay` takes the events while it waits for the workers and calls the same hooks on
+:class:`DriverReplay` takes the events that the run's inbox (:mod:`ray_lightning_sgd._driver.inbox`)
+polled from rank 0 while the driver waits for the workers, and calls the same hooks on
 the driver's callbacks: the Trainer's own progress bar (which the workers do not run) and the
 strategy's ``driver_callbacks``. Their ``trainer`` argument is a :class:`TrainerView`: rank 0's
 latest state over the driver's Trainer (whose settings it passes through). Batch hooks get
@@ -14,23 +15,16 @@ import sys
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-import ray
 from ray import cloudpickle
 
-from ray_lightning_sgd._worker.events import _CALL, Event
+from ray_lightning_sgd import _compat
+from ray_lightning_sgd._worker.events import CALL, Event
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
 
 log = logging.getLogger(__name__)
-
-
-#: How often the driver looks for events while the workers run (seconds).
-PUMP_INTERVAL_S = 0.1
-
-
-_MONITOR_CALL_S = 30.0
 
 
 #: How many distinct output lines the driver remembers for printing each one once across ranks.
@@ -135,8 +129,7 @@ class TrainerView:
     @property
     def fit_loop(self) -> Any:
         should_check = self._counters["should_check_val_epoch"]
-        epoch_loop = SimpleNamespace(_should_check_val_epoch=lambda: should_check)
-        return SimpleNamespace(epoch_loop=epoch_loop)
+        return _compat.val_check_view(should_check)
 
     @property
     def loggers(self) -> list[Any]:
@@ -152,32 +145,26 @@ class TrainerView:
 
 
 class DriverReplay:
-    """Driver side: replays rank 0's events into the driver's callbacks; prints worker output.
+    """Driver side: replays rank 0's events into the driver's callbacks, and runs the functions
+    workers sent with ``send_to_driver``.
 
     Args:
         trainer: The driver's Trainer.
         callbacks: The callbacks to call (the progress bar, the strategy's driver callbacks).
-        monitor: The run monitor (a ``RunMonitor``), where rank 0 sends its events.
     """
 
-    def __init__(self, trainer: pl.Trainer, callbacks: list[Callback], monitor: Any) -> None:
+    def __init__(self, trainer: pl.Trainer, callbacks: list[Callback]) -> None:
         self._trainer = trainer
         self._callbacks = list(callbacks)
-        self._monitor = monitor
         self.view = TrainerView(trainer)
-        self._printer = OutputPrinter()
 
-    def pump(self, run_calls: bool = True) -> None:
-        """Driver side: prints the workers' output and replays the events that arrived since the
-        last call (and runs the functions workers sent, unless ``run_calls`` is False)."""
-        if not self._monitor.started:
-            return  # the call failed before its workers were up: nothing was sent
-        blobs, output = ray.get(self._monitor.actor.take.remote(), timeout=_MONITOR_CALL_S)
-        for rank, lines in output:
-            self._printer.write(rank, lines)
+    def replay(self, blobs: list[bytes], run_calls: bool = True) -> None:
+        """Driver side: replays the events of ``blobs`` (pickled lists of events, in order), and
+        runs the functions workers sent, unless ``run_calls`` is False (they belong to an attempt
+        that was lost or a call that failed: a Tune report of a step that is lost)."""
         events: list[Event] = [event for blob in blobs for event in cloudpickle.loads(blob)]
         for hook, args, counters, metrics in events:
-            if hook == _CALL:
+            if hook == CALL:
                 if run_calls:
                     function, call_args = args
                     function(*call_args)  # what it raises ends the wait for the workers
@@ -186,21 +173,8 @@ class DriverReplay:
             for callback in list(self._callbacks):
                 self._call(callback, hook, args)
 
-    def drop_calls(self) -> None:
-        """Driver side: an attempt was lost or the call failed; replays the events that arrived,
-        but the functions its workers sent do not run."""
-        try:
-            self.pump(run_calls=False)
-        except Exception:
-            log.debug("Could not fetch the lost attempt's last events", exc_info=True)
-
     def fail(self, error: BaseException) -> None:
-        """Driver side: the call failed; replays what arrived, then each ``on_exception``.
-
-        Functions the workers sent to the driver and that have not run yet do not run: they
-        belong to a call that failed (a Tune report of a step that is lost).
-        """
-        self.drop_calls()
+        """Driver side: the call failed; calls each callback's ``on_exception``."""
         for callback in list(self._callbacks):
             self._call(callback, "on_exception", (error,))
 

@@ -1,9 +1,10 @@
 """Warm executors: started worker groups kept between calls, so later calls skip the start-up.
 
-Driver side. A launcher that reuses workers asks :func:`acquire` for an executor with its configs and
-gives it back with :func:`release` when the call succeeded; the pool keeps it idle, and the next call
-with equal configs gets the same actors and process group back. An executor whose call failed is shut
-down instead. The pool holds idle executors only; one that is running a call belongs to its caller.
+Driver side. The pool owns every executor a launch uses, idle or leased. A launcher asks
+:func:`acquire` for an executor with its configs and gives it back with :func:`release`: to be kept
+idle when the call succeeded and workers are reused, so that the next call with equal configs gets
+the same actors and process group back; to be shut down otherwise (after a failure, without asking
+the workers, which may be stuck in a collective).
 
 Idle executors are shut down by :func:`shutdown` (``ray_lightning_sgd.shutdown_workers``), by a miss
 (a call with other configs frees the idle workers first, so their resources are available), at
@@ -22,7 +23,6 @@ import ray
 import torch
 
 from ray_lightning_sgd._backend.base import BackendConfig
-from ray_lightning_sgd._driver.monitor import RunMonitor
 from ray_lightning_sgd._executor.executor import BackendExecutor
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd.exceptions import RaySGDError
@@ -43,54 +43,42 @@ class _Idle:
 
 _lock = threading.Lock()
 _idle: list[_Idle] = []
+#: Executors lent to a running call.
+_leased: list[BackendExecutor] = []
 _atexit_registered = False
-#: A run monitor kept between calls (starting its actor costs a process), and its Ray session.
-_idle_monitor: tuple[tuple[str, str], RunMonitor] | None = None
-
-
-def acquire_monitor(progress_timeout_s: float | None) -> RunMonitor:
-    """Driver side: the kept run monitor of this Ray session, reset, or a new one."""
-    global _idle_monitor
-    with _lock:
-        kept, _idle_monitor = _idle_monitor, None
-    if kept is not None and kept[0] == _session():
-        try:
-            kept[1].reset(progress_timeout_s)
-            return kept[1]
-        except ray.exceptions.RayError:
-            log.debug("The kept run monitor is gone; starting a new one")
-    return RunMonitor(progress_timeout_s)
-
-
-def release_monitor(monitor: RunMonitor) -> None:
-    """Driver side: keeps the run monitor of a call that succeeded, for the next call."""
-    global _idle_monitor, _atexit_registered
-    if not ray.is_initialized():
-        return
-    with _lock:
-        previous, _idle_monitor = _idle_monitor, (_session(), monitor)
-        if not _atexit_registered:
-            atexit.register(shutdown)
-            _atexit_registered = True
-    if previous is not None and previous[0] == _session():
-        previous[1].shutdown()
 
 
 def acquire(
-    backend_config: BackendConfig, worker_group_config: WorkerGroupConfig
+    backend_config: BackendConfig, worker_group_config: WorkerGroupConfig, reuse: bool = True
 ) -> tuple[BackendExecutor, bool]:
-    """Driver side: returns a running executor for these configs, and whether it was warm.
+    """Driver side: lends a running executor for these configs; returns it and whether it was warm.
 
-    An idle executor with equal configs in the same Ray session whose workers still answer is reused.
-    Otherwise every idle executor is shut down (freeing its resources) and a new one is started.
+    With ``reuse``, an idle executor with equal configs in the same Ray session whose workers still
+    answer is lent again. Otherwise every idle executor is shut down (freeing its resources) and a
+    new one is started.
     """
+    executor, warm = _find_or_start(backend_config, worker_group_config, reuse)
+    with _lock:
+        _leased.append(executor)
+    return executor, warm
+
+
+def _find_or_start(
+    backend_config: BackendConfig, worker_group_config: WorkerGroupConfig, reuse: bool
+) -> tuple[BackendExecutor, bool]:
+    global _atexit_registered
+    with _lock:
+        if not _atexit_registered:
+            atexit.register(_shutdown_all)
+            _atexit_registered = True
     session = _session()
     with _lock:
         match = next(
             (
                 idle
                 for idle in _idle
-                if idle.session == session
+                if reuse
+                and idle.session == session
                 and idle.backend_config == backend_config
                 and idle.worker_group_config == worker_group_config
             ),
@@ -114,7 +102,6 @@ def acquire(
                 idle.executor.shutdown(graceful=False)
             except Exception:
                 log.debug("Could not stop %s", idle.executor.worker_group.name, exc_info=True)
-        _drop_monitor_if_unused()
         raise
     if match is not None:
         log.info(
@@ -127,20 +114,45 @@ def acquire(
     return executor, False
 
 
-def release(executor: BackendExecutor) -> None:
-    """Driver side: keeps a running executor idle for the next call with the same configs."""
-    global _atexit_registered
-    if not ray.is_initialized():
-        return  # the cluster went away during the call; there is nothing left to keep
-    # the call's objects (Trainer, model, data) form reference cycles; free them on the workers
-    # now, while they wait, rather than at the start of the next call
-    executor.run_async(_collect_garbage)
-    idle = _Idle(executor.backend_config, executor.worker_group.config, _session(), executor)
+def release(executor: BackendExecutor, *, keep: bool, graceful: bool = True) -> None:
+    """Driver side: takes a lent executor back: keeps it idle for the next call with the same
+    configs (``keep``), or shuts it down (asking the workers to leave their process group first
+    only if ``graceful``). An executor that cannot be kept is shut down: none is left running."""
+    with _lock:
+        if executor in _leased:
+            _leased.remove(executor)
+    if not keep or not ray.is_initialized():
+        # after a failure the survivors may be stuck in a collective: kill, do not ask
+        executor.shutdown(graceful=graceful and ray.is_initialized())
+        return
+    try:
+        # the call's objects (Trainer, model, data) form reference cycles; free them on the
+        # workers now, while they wait, rather than at the start of the next call
+        executor.run_async(_collect_garbage)
+        idle = _Idle(executor.backend_config, executor.worker_group.config, _session(), executor)
+    except BaseException:
+        executor.shutdown(graceful=False)  # neither kept nor left running
+        raise
     with _lock:
         _idle.append(idle)
-        if not _atexit_registered:
-            atexit.register(shutdown)
-            _atexit_registered = True
+
+
+def leased_group_names() -> list[str]:
+    """Driver side: the names of the worker groups lent to running calls, for tests."""
+    with _lock:
+        return [executor.worker_group.name for executor in _leased]
+
+
+def _shutdown_all() -> None:
+    """At interpreter exit: every executor, idle or (a call cut short) leased."""
+    shutdown()
+    with _lock:
+        leased, _leased[:] = list(_leased), []
+    for executor in leased:
+        try:
+            executor.shutdown(graceful=False)
+        except Exception:
+            log.debug("Could not stop %s", executor.worker_group.name, exc_info=True)
 
 
 def shutdown(worker_group_config: WorkerGroupConfig | None = None) -> int:
@@ -157,31 +169,13 @@ def shutdown(worker_group_config: WorkerGroupConfig | None = None) -> int:
         for idle in chosen:
             _idle.remove(idle)
     _shut_down(chosen, _session() if ray.is_initialized() else None)
-    _drop_monitor_if_unused()
     return len(chosen)
-
-
-def _drop_monitor_if_unused() -> None:
-    # the monitor stays while warm workers do: it goes with the last of them
-    global _idle_monitor
-    with _lock:
-        if _idle:
-            return
-        kept, _idle_monitor = _idle_monitor, None
-    if kept is not None and ray.is_initialized() and kept[0] == _session():
-        kept[1].shutdown()
 
 
 def idle_group_names() -> list[str]:
     """Driver side: the names of the worker groups kept idle, for tests and diagnostics."""
     with _lock:
         return [idle.executor.worker_group.name for idle in _idle]
-
-
-def idle_monitor_name() -> str | None:
-    """Driver side: the name of the run monitor's actor kept with the idle workers, if any."""
-    with _lock:
-        return None if _idle_monitor is None else _idle_monitor[1].name
 
 
 def _shut_down(idle: list[_Idle], session: tuple[str, str] | None) -> None:

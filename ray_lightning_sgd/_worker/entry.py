@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import os
 import random
@@ -26,8 +25,6 @@ from torch import Tensor
 
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._compat.flavour import Flavour
-from ray_lightning_sgd._driver.failure import FailureConfig
-from ray_lightning_sgd._driver.monitor import RunMonitor
 from ray_lightning_sgd._serialization import Packed, pack, to_cpu, unpack
 from ray_lightning_sgd._worker import artifacts
 from ray_lightning_sgd._worker.environment import RayEnvironmentBase
@@ -36,6 +33,7 @@ from ray_lightning_sgd._worker.output import OutputForwarder
 from ray_lightning_sgd._worker.progress import ProgressReporterBase
 from ray_lightning_sgd._worker.resume import ResumeCheckpointBase, ResumePoint, materialise
 from ray_lightning_sgd._worker_group.context import get_worker_context
+from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -61,19 +59,21 @@ class Payload(NamedTuple):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     global_state: GlobalState
-    #: The run monitor (restarts, a progress timeout, or events for the driver), or None; on the
-    #: driver only (the workers get its actor as the call's argument).
-    monitor: RunMonitor | None
-    failure: FailureConfig
+    #: This attempt's id: the workers' outboxes are opened under it.
+    call_id: str
     #: Where a restarted ``fit`` resumes from.
-    resume: ResumePoint | None
-    #: Whether rank 0 sends its callback events to the driver (through the monitor).
+    resume: ResumePoint | None = None
+    #: Whether rank 0 sends its callback events to the driver.
     forward_events: bool = False
+    #: Whether each rank notes its progress, for the driver's progress timeout.
+    report_progress: bool = False
+    #: Epochs between resume checkpoints of a ``fit``; 0: none (no restarts).
+    resume_every_n_epochs: int = 0
+    #: Where rank 0 writes them: this launch's own folder of ``checkpoint_storage`` (runs that
+    #: share the storage, Tune trials, never overwrite each other's), or None: to the driver.
+    resume_storage: str | None = None
     #: Where the driver expects rank 0's logs and checkpoints.
     artifacts: artifacts.Artifacts | None = None
-    #: This launch's own name: its resume checkpoints in ``checkpoint_storage`` go in a folder of
-    #: that name, so that runs sharing the storage (Tune trials) never overwrite each other's.
-    run_id: str = ""
 
 
 class RankZeroResults(NamedTuple):
@@ -175,19 +175,17 @@ def _batch_index_recorder(flavour: Flavour) -> type[_BatchIndexRecorderBase]:
     return type("_BatchIndexRecorder", (_BatchIndexRecorderBase, flavour.prediction_writer), {})
 
 
-def run_on_worker(packed: Packed, monitor: Any) -> Packed:
-    """Runs on each worker. Runs the entry point under the assigned rank and collects results.
-
-    ``monitor`` is the run monitor's actor handle, or None.
-    """
+def run_on_worker(packed: Packed) -> Packed:
+    """Runs on each worker. Runs the entry point under the assigned rank and collects results."""
     payload: Payload = unpack(packed)
     del packed
-    return pack(_run_payload(payload, monitor))
+    return pack(_run_payload(payload))
 
 
-def _run_payload(payload: Payload, monitor: Any) -> WorkerOutput:
+def _run_payload(payload: Payload) -> WorkerOutput:
     started = time.time()  # files the call writes are newer
-    context = get_worker_context()
+    get_outbox().open(payload.call_id)
+    global_rank = get_worker_context().rank.global_rank
     payload.global_state.restore()
     trainer = payload.trainer
     recorder = None
@@ -200,39 +198,33 @@ def _run_payload(payload: Payload, monitor: Any) -> WorkerOutput:
         if not isinstance(environment, RayEnvironmentBase):
             raise TypeError(f"the Trainer's strategy has no RayEnvironment, but {environment!r}")
         flavour: Flavour = strategy.flavour  # type: ignore[attr-defined]
-        environment.assign(context.rank, context.device_index)
-        on_gpu = context.device_index is not None
+        on_gpu = environment.device.type == "cuda"
         if on_gpu != isinstance(strategy.accelerator, flavour.cuda_accelerator):
             accelerator = flavour.cuda_accelerator if on_gpu else flavour.cpu_accelerator
             strategy.accelerator = accelerator()
         strategy.set_world_ranks()  # type: ignore[attr-defined]
+        fitting = trainer.state.fn == FITTING
         if trainer.state.fn == PREDICTING:
             recorder = _batch_index_recorder(flavour)()
             ours.append(recorder)
         for bar in [cb for cb in callbacks_of(trainer) if isinstance(cb, flavour.progress_bar)]:
             callbacks_of(trainer).remove(bar)  # the driver shows rank 0's progress instead
-        if monitor is not None and payload.forward_events and context.rank.global_rank == 0:
-            ours.append(_callback_class(flavour, EventForwarderBase)(monitor))
-        if monitor is not None and payload.failure.monitored:
-            ours.append(_callback_class(flavour, ProgressReporterBase)(monitor))
-            fitting = trainer.state.fn == FITTING
-            if fitting and payload.failure.max_failures != 0:
-                failure = payload.failure
-                resume_callback = _callback_class(flavour, ResumeCheckpointBase)
-                every, storage = failure.checkpoint_every_n_epochs, failure.checkpoint_storage
-                if storage is not None:
-                    storage = f"{storage.rstrip('/')}/run-{payload.run_id}"
-                ours.append(resume_callback(monitor, every, storage))
-            if fitting and payload.resume is not None:
-                resume_file = materialise(payload.resume)
-                args, kwargs = _with_ckpt_path(payload.function, args, kwargs, resume_file)
+        if payload.forward_events and global_rank == 0:
+            ours.append(_callback_class(flavour, EventForwarderBase)())
+        if payload.report_progress:
+            ours.append(_callback_class(flavour, ProgressReporterBase)())
+        if fitting and payload.resume_every_n_epochs:
+            resume_callback = _callback_class(flavour, ResumeCheckpointBase)
+            ours.append(resume_callback(payload.resume_every_n_epochs, payload.resume_storage))
+        if fitting and payload.resume is not None:
+            resume_file = materialise(payload.resume)
+            args, kwargs = _compat.with_ckpt_path(payload.function, args, kwargs, resume_file)
         callbacks_of(trainer).extend(ours)
     output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if monitor is not None and trainer is not None:  # a Trainer's call: its output to the driver
-        output = OutputForwarder(monitor, context.rank.global_rank)
+    if trainer is not None:  # a Trainer's call: its output to the driver
+        output = OutputForwarder()
     forwarder = next((cb for cb in ours if isinstance(cb, EventForwarderBase)), None)
-    if monitor is not None:
-        open_channel(monitor, forwarder)
+    open_channel(forwarder)
     try:
         with output:
             results = payload.function(*args, **kwargs)
@@ -248,7 +240,7 @@ def _run_payload(payload: Payload, monitor: Any) -> WorkerOutput:
         return WorkerOutput(results, None, None)
     for callback in ours:
         callbacks_of(trainer).remove(callback)
-    collected = _collect_results(trainer, results, context.rank.global_rank, recorder)
+    collected = _collect_results(trainer, results, global_rank, recorder)
     if collected.rank_zero is not None:
         files = artifacts.collect(payload.artifacts, trainer, started)
         collected = collected._replace(rank_zero=collected.rank_zero._replace(files=files))
@@ -259,15 +251,6 @@ def _run_payload(payload: Payload, monitor: Any) -> WorkerOutput:
 def _callback_class(flavour: Flavour, base: type) -> type:
     """``base`` as a Callback of the flavour's namespace."""
     return type(base.__name__.removesuffix("Base"), (base, flavour.callback), {})
-
-
-def _with_ckpt_path(
-    function: Callable, args: tuple[Any, ...], kwargs: dict[str, Any], path: str
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Returns the entry point's arguments with ``ckpt_path`` set to ``path``."""
-    bound = inspect.signature(function).bind(*args, **kwargs)
-    bound.arguments["ckpt_path"] = path
-    return bound.args, bound.kwargs
 
 
 def _collect_results(

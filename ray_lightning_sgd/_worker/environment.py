@@ -1,7 +1,9 @@
 """The cluster environment: the ranks and device that the worker group assigned.
 
-On the driver it only knows the world size; on each worker the launcher fills in the worker's rank
-and device before Lightning runs, and Lightning reads them from here.
+On the driver it only knows the world size; on each worker it reads the worker's context, which
+the worker group set when it started the worker (one home for a worker's rank and device:
+:func:`~ray_lightning_sgd._worker_group.context.get_worker_context`), and Lightning reads them
+from here.
 
 :class:`RayEnvironmentBase` is the implementation, for either Lightning namespace; the
 ``RayEnvironment`` of :mod:`ray_lightning_sgd.pytorch_lightning` and of
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from typing_extensions import override
 
+from ray_lightning_sgd._worker_group.context import current_context
 from ray_lightning_sgd._worker_group.ranks import WorkerRank
 
 if TYPE_CHECKING:
@@ -30,20 +33,19 @@ class RayEnvironmentBase(_Base):
     def __init__(self, world_size: int) -> None:
         super().__init__()
         self._world_size = world_size
-        self._rank: WorkerRank | None = None
-        self._device_index: int | None = None
 
-    def assign(self, rank: WorkerRank, device_index: int | None) -> None:
-        """Runs on each worker. Records the worker's rank and its CUDA device index (None: CPU)."""
-        self._rank = rank
-        self._device_index = device_index
+    @property
+    def _rank(self) -> WorkerRank | None:
+        context = current_context()
+        return None if context is None else context.rank
 
     @property
     def device(self) -> torch.device:
         """The device this worker trains on (the CPU on the driver)."""
-        if self._device_index is None:
+        context = current_context()
+        if context is None or context.device_index is None:
             return torch.device("cpu")
-        return torch.device("cuda", self._device_index)
+        return torch.device("cuda", context.device_index)
 
     @property
     def num_nodes(self) -> int:

@@ -19,11 +19,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import ray
 from ray import cloudpickle
 
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._serialization import to_cpu
+from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -31,54 +31,49 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: How often rank 0 sends its events at most, between stage and epoch boundaries (seconds).
+#: How often rank 0 hands its events to the outbox at most, between stage and epoch boundaries
+#: (seconds).
 FLUSH_INTERVAL_S = 0.2
 
-
-_MONITOR_CALL_S = 30.0
-
+#: The outbox channel of events (pickled lists of :data:`Event`).
+EVENTS = "events"
 
 #: One event: the hook's name, its index arguments, rank 0's counters, and (on the last event of
 #: each batch) its metrics.
 Event = tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any] | None]
 
-
 #: The hook name of an event that asks the driver to run a function (:func:`send_to_driver`).
-_CALL = "__call__"
+CALL = "__call__"
 
-
-#: The run monitor's actor of the call a worker is running, while it runs one.
-_channel: Any = None
-
-
+#: Whether a call of a RaySGDStrategy runs in this worker now.
+_open = False
 #: Rank 0's event forwarder during a call that forwards events: what :func:`send_to_driver` sends
 #: goes after the events it holds.
 _forwarder: EventForwarderBase | None = None
 
 
-def open_channel(monitor: Any, forwarder: EventForwarderBase | None = None) -> None:
+def open_channel(forwarder: EventForwarderBase | None = None) -> None:
     """Runs on each worker. Lets :func:`send_to_driver` reach the driver during the call."""
-    global _channel, _forwarder
-    _channel, _forwarder = monitor, forwarder
+    global _open, _forwarder
+    _open, _forwarder = True, forwarder
 
 
 def close_channel() -> None:
-    global _channel, _forwarder
-    _channel, _forwarder = None, None
+    global _open, _forwarder
+    _open, _forwarder = False, None
 
 
 def send_to_driver(function: Any, *args: Any) -> None:
     """Runs on a worker, during a call: runs ``function(*args)`` on the driver within about 0.1 s
-    (after the events the monitor already holds; ``function`` must be importable there). Waits
-    until the monitor holds the request; what ``function`` raises on the driver fails the call.
-    A call that failed runs no more of them."""
-    if _channel is None:
+    (after the events before it; ``function`` must be importable there). What ``function`` raises
+    on the driver fails the call. A call that failed runs no more of them."""
+    if not _open:
         raise RuntimeError("send_to_driver works on the workers of a RaySGDStrategy call only")
     if _forwarder is not None:
         # the driver replays the events before this call, then runs it
         _forwarder.send_now(keep_last=True)
-    event: Event = (_CALL, (function, args), {}, None)
-    ray.get(_channel.add_events.remote(cloudpickle.dumps([event])), timeout=_MONITOR_CALL_S)
+    event: Event = (CALL, (function, args), {}, None)
+    get_outbox().append(EVENTS, [cloudpickle.dumps([event])])
 
 
 def _state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -113,15 +108,14 @@ def _metrics(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 class EventForwarderBase:
-    """Runs on rank 0. A callback that sends every hook's event to the run monitor.
+    """Runs on rank 0. A callback that hands every hook's event to the outbox, for the driver.
 
     Each event is sent at the next hook at the earliest: only then has Lightning committed, on
     every rank, the metrics logged up to the end of the event's hook (see :func:`_metrics`).
     """
 
-    def __init__(self, monitor: Any) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._monitor = monitor
         self._trainer: pl.Trainer | None = None
         self._pending: list[Event] = []
         self._last_flush = 0.0
@@ -137,7 +131,7 @@ class EventForwarderBase:
         # next batch's start, with that batch's metrics
         self._due = boundary or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
 
-    def _flush(self, wait: bool = False, keep_last: bool = False) -> None:
+    def _flush(self, keep_last: bool = False) -> None:
         keep_from = len(self._pending) - 1 if keep_last else len(self._pending)
         if keep_from <= 0 or self._trainer is None:
             return
@@ -146,17 +140,14 @@ class EventForwarderBase:
         events, self._pending = self._pending[:keep_from], self._pending[keep_from:]
         self._last_flush = time.monotonic()
         self._due = False
-        sent = self._monitor.add_events.remote(cloudpickle.dumps(events))
-        if wait:
-            # the run's last events reach the monitor before rank 0's result reaches the driver
-            ray.get(sent, timeout=_MONITOR_CALL_S)
+        # pickled now: the metrics as they are at this hook, whenever the driver takes them
+        get_outbox().append(EVENTS, [cloudpickle.dumps(events)])
 
     def send_now(self, keep_last: bool = False) -> None:
-        """Sends what is pending, with the metrics committed so far, and waits for it; never
-        raises. Before a function sent to the driver, the latest event stays pending
+        """Hands what is pending to the outbox, with the metrics committed so far; never raises. Before a function sent to the driver, the latest event stays pending
         (``keep_last``): its hook is still running, and its metrics are not committed yet."""
         try:
-            self._flush(wait=True, keep_last=keep_last)
+            self._flush(keep_last=keep_last)
         except Exception:
             log.debug("Could not send the last events", exc_info=True)
 
@@ -167,7 +158,7 @@ class EventForwarderBase:
         # the last hook: every metric of the call is committed; one send for all that is pending
         self._trainer = trainer
         self._pending.append(("teardown", (stage,), _state(trainer), None))
-        self._flush(wait=True)
+        self._flush()
 
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._event(trainer, "on_sanity_check_start", boundary=True)

@@ -6,22 +6,15 @@ import io
 import logging
 import os
 import sys
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import ray
-
-if TYPE_CHECKING:
-    pass
+from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 log = logging.getLogger(__name__)
 
 
-#: How often rank 0 sends its events at most, between stage and epoch boundaries (seconds).
-FLUSH_INTERVAL_S = 0.2
-
-
-_MONITOR_CALL_S = 30.0
+#: The outbox channel of output lines: (stream name, line).
+OUTPUT = "output"
 
 
 class _LineStream(io.TextIOBase):
@@ -70,37 +63,17 @@ class _LineStream(io.TextIOBase):
 
 class OutputForwarder:
     """Runs on each worker during a call: what Python writes to stdout and stderr (prints,
-    ``logging``, warnings) goes to the driver through the run monitor, tagged with the rank,
-    instead of through Ray's log forwarding (which tags it with a process id)."""
+    ``logging``, warnings) goes to the driver through the worker's outbox, and the driver prints
+    it tagged with the rank, instead of through Ray's log forwarding (which tags it with a process
+    id)."""
 
-    def __init__(self, monitor: Any, rank: int) -> None:
-        self._monitor = monitor
-        self._rank = rank
-        self._lock = threading.Lock()
-        self._pending: list[tuple[str, str]] = []
-        self._stop = threading.Event()
-        self._sender = threading.Thread(
-            target=self._send_every_interval, name="ray_lightning_sgd-output", daemon=True
-        )
+    def __init__(self) -> None:
         self._saved: tuple[Any, Any] | None = None
         self._handlers: list[tuple[logging.StreamHandler, Any]] = []
         self._streams: list[_LineStream] = []
 
     def add(self, stream: str, lines: list[str]) -> None:
-        with self._lock:
-            self._pending.extend((stream, line) for line in lines)
-
-    def _send(self, wait: bool = False) -> None:
-        with self._lock:
-            lines, self._pending = self._pending, []
-        if lines:
-            sent = self._monitor.add_output.remote(self._rank, lines)
-            if wait:
-                ray.get(sent, timeout=_MONITOR_CALL_S)
-
-    def _send_every_interval(self) -> None:
-        while not self._stop.wait(FLUSH_INTERVAL_S):
-            self._send()
+        get_outbox().append(OUTPUT, [(stream, line) for line in lines])
 
     def __enter__(self) -> OutputForwarder:
         out, err = sys.stdout, sys.stderr
@@ -113,7 +86,6 @@ class OutputForwarder:
                 old = handler.setStream(new_out if handler.stream is out else new_err)
                 self._handlers.append((handler, old))
         sys.stdout, sys.stderr = new_out, new_err
-        self._sender.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -130,12 +102,6 @@ class OutputForwarder:
                 handler.setStream(originals[id(handler.stream)])
         for stream in self._streams:
             stream.finish()
-        self._stop.set()
-        self._sender.join()
-        try:
-            self._send(wait=True)
-        except Exception:
-            log.debug("Could not send the last output lines", exc_info=True)
 
 
 def _stream_handlers() -> list[logging.StreamHandler]:

@@ -1,37 +1,30 @@
-"""Runs on each worker: a callback that notes where this rank is, for the driver's progress timeout."""
+"""Runs on each worker: a callback that notes where this rank is, for the driver's progress timeout.
+
+The note goes to the worker's outbox (a dict write); the driver reads its age at each poll and
+raises ``WorkerTimeoutError`` when a rank has gone quiet for longer than ``progress_timeout_s``.
+"""
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
-from ray_lightning_sgd._worker_group.context import get_worker_context
+from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-
-#: How often a worker reports its progress, at most (seconds).
-REPORT_INTERVAL_S = 1.0
+#: The outbox channel of a rank's progress: (stage, step).
+PROGRESS = "progress"
 
 
 class ProgressReporterBase:
-    """Runs on each worker. A callback that tells the monitor where this rank is, once a second."""
+    """Runs on each worker. A callback that notes, at each batch and stage, where this rank is."""
 
-    def __init__(self, monitor: Any) -> None:
-        super().__init__()
-        self._monitor = monitor
-        self._rank = get_worker_context().rank.global_rank
-        self._last = 0.0
-
-    def _report(self, stage: str, step: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._last >= REPORT_INTERVAL_S:
-            self._last = now
-            self._monitor.report.remote(self._rank, stage, step)
+    def _report(self, stage: str, step: int) -> None:
+        get_outbox().put_latest(PROGRESS, (stage, step))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._report(f"setup ({stage})", 0, force=True)
+        self._report(f"setup ({stage})", 0)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self._report("training", trainer.global_step)

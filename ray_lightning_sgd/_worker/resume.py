@@ -1,4 +1,9 @@
-"""Runs on each worker: the run's resume checkpoint, written every N epochs when restarts are on."""
+"""Runs on each worker: the run's resume checkpoint, written every N epochs when restarts are on.
+
+Rank 0 puts each new :class:`ResumePoint` in its outbox and waits until the driver holds it (the
+driver's next poll takes it into its own memory), so a point survives the loss of any worker or
+node. With ``checkpoint_storage`` only the URI travels.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,20 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import ray
+from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 
 log = logging.getLogger(__name__)
+
+#: The outbox channel of the run's latest resume point.
+RESUME = "resume"
+#: How long rank 0 waits for the driver to take a resume point before it trains on regardless.
+_DELIVERY_WAIT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -32,19 +42,18 @@ class ResumeCheckpointBase:
 
     Every rank takes part in ``Trainer.save_checkpoint`` (it synchronises); rank 0 writes it, to
     ``storage`` when one is given (a local path or an fsspec URI), else to a local temporary file
-    whose bytes it hands to the monitor.
+    whose bytes go to the driver.
     """
 
-    def __init__(self, monitor: Any, every_n_epochs: int, storage: str | None) -> None:
+    def __init__(self, every_n_epochs: int, storage: str | None) -> None:
         super().__init__()
-        self._monitor = monitor
         self._every = every_n_epochs
         self._storage = storage
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # the run is over: its resume checkpoint (in its own folder of the storage) is not needed
         if self._storage is not None and trainer.global_rank == 0:
-            import fsspec  # on the worker only: the run monitor's actor imports this module too
+            import fsspec  # only where a storage is used
 
             try:
                 filesystem, path = fsspec.core.url_to_fs(self._storage)
@@ -70,8 +79,16 @@ class ResumeCheckpointBase:
                 os.unlink(path)
             point = ResumePoint(trainer.current_epoch, trainer.global_step, data=data)
         if trainer.global_rank == 0:
-            # waited for: the checkpoint must be safe on the driver's node before training goes on
-            ray.get(self._monitor.set_resume.remote(point), timeout=600)
+            # the checkpoint is safe in the driver before training goes on
+            outbox = get_outbox()
+            sequence = outbox.put_latest(RESUME, point)
+            if not outbox.wait_delivered(RESUME, sequence, _DELIVERY_WAIT_S):
+                log.warning(
+                    "The driver did not take the resume checkpoint of epoch %d within %.0fs; "
+                    "training goes on, and the driver takes it at its next poll",
+                    point.epoch,
+                    _DELIVERY_WAIT_S,
+                )
 
 
 def _read(path: str) -> bytes:

@@ -1,27 +1,7 @@
-"""Ray Tune: a Lightning run with RaySGDStrategy as one Tune trial.
+"""Runs on each worker: the Tune report callback (see :mod:`ray_lightning_sgd.tune` for its use).
 
-.. code-block:: python
-
-    from ray import tune
-
-    def train(config):
-        trainer = pl.Trainer(
-            strategy=RaySGDStrategy(num_workers=2),
-            callbacks=[TuneReportCallback({"acc": "val_acc"}, save_checkpoints=True)],
-        )
-        trainer.fit(Model(lr=config["lr"]), datamodule=dm)
-
-    resources = RaySGDStrategy(num_workers=2).tune_resources()
-    tune.Tuner(tune.with_resources(train, resources), param_space={...}).fit()
-
-The trial's process is the run's driver. ``tune_resources()`` asks Tune for a placement group with
-one bundle per worker (the driver itself needs none), and the strategy starts its workers in the
-bundles of the trial's placement group instead of asking for a second one.
-:class:`TuneReportCallback` runs on the workers: at each validation end (or train epoch end) rank
-0 sends the chosen metrics, and if asked a checkpoint, to the driver, which reports them to Tune.
-
-``TuneReportCallback`` here is the one of ``pytorch_lightning`` where it is installed, else of
-``lightning``; each namespace module has its own (``ray_lightning_sgd.lightning.TuneReportCallback``).
+Rank 0 sends each report (and the checkpoint's bytes) to the driver, the trial's process, where
+:func:`report_to_tune` hands it to Tune.
 """
 
 from __future__ import annotations

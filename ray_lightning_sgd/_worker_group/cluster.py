@@ -121,6 +121,7 @@ def _summary(resources: Mapping[str, Any]) -> str:
         for name, value in sorted(resources.items())
         if not name.startswith("node:")
         and name not in ("memory", "object_store_memory")
-        and "_group_" not in name  # what placement groups hold shows up as resources of its own
+        # what placement groups hold shows up as resources of its own
+        and not _compat.ray.is_placement_group_resource(name)
     }
     return str(shown)

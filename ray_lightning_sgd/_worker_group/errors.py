@@ -8,16 +8,14 @@ from collections.abc import Sequence
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
+from ray_lightning_sgd._compat import ray as _compat_ray
+from ray_lightning_sgd._compat import torch as _compat_torch
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
 from ray_lightning_sgd._worker_group.worker import IN_COLLECTIVE
 from ray_lightning_sgd.exceptions import WorkerDiedError, WorkerGroupError
 
 # how long an error of a collective (gloo/NCCL lost its peer) waits for Ray to name the dead peer
 _PEER_LOSS_GRACE_S = 5.0
-
-
-# words of the errors torch.distributed raises on a rank whose peer vanished
-_PEER_LOSS_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
 def may_follow_a_lost_peer(error: BaseException) -> bool:
@@ -28,10 +26,7 @@ def may_follow_a_lost_peer(error: BaseException) -> bool:
     """
     if isinstance(error, WorkerGroupError) or not getattr(error, IN_COLLECTIVE, False):
         return False
-    if type(error).__name__ in ("DistBackendError", "DistNetworkError"):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(m in text for m in _PEER_LOSS_MARKERS)
+    return _compat_torch.reads_as_a_lost_peer(error)
 
 
 def blame_a_lost_peer(
@@ -70,10 +65,7 @@ def _where(meta: WorkerMetadata | None, rank: int | None) -> str:
 
 def actor_of(ref: ray.ObjectRef) -> str:
     """The id of the actor whose task returns ``ref`` ("" for a plain object)."""
-    try:
-        return ref.task_id().actor_id().hex()
-    except Exception:  # noqa: BLE001 - an id Ray cannot take apart names no actor
-        return ""
+    return _compat_ray.actor_id_of(ref)
 
 
 def translate(err: RayError, metadata: Sequence[WorkerMetadata], actor_id: str) -> BaseException:

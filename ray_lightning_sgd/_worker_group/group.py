@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import ray
@@ -45,7 +46,7 @@ from ray_lightning_sgd._worker_group.ranks import (
     rank_order,
     visible_devices,
 )
-from ray_lightning_sgd._worker_group.worker import _Worker
+from ray_lightning_sgd._worker_group.worker import POLL_GROUP, _Worker
 from ray_lightning_sgd.exceptions import (
     ResourcesUnavailableError,
     WorkerGroupError,
@@ -70,6 +71,24 @@ class _State(enum.Enum):
     SHUTDOWN = "shut down"
 
 
+@dataclass(frozen=True)
+class Worker:
+    """Driver side: one started worker, as its group holds it (the one record of it)."""
+
+    actor: Any
+    metadata: WorkerMetadata
+    rank: WorkerRank
+    #: The CUDA device index the worker uses, or None without a GPU.
+    device_index: int | None
+    #: The index of the placement group bundle the worker runs in.
+    bundle_index: int
+
+    @property
+    def context(self) -> WorkerContext:
+        """What the worker knows about itself (sent to it when the group starts)."""
+        return WorkerContext(self.metadata, self.rank, self.device_index)
+
+
 class WorkerGroup:
     """A gang of Ray actors that run functions for the driver.
 
@@ -83,10 +102,9 @@ class WorkerGroup:
         self._name = f"{NAME_PREFIX}-{uuid.uuid4().hex[:12]}"
         # only a group this worker group made; one it runs inside is its owner's to free
         self._placement_group: PlacementGroup | None = None
-        self._bundles: list[int] = []
-        self._actors: list[ray.actor.ActorHandle] = []
-        self._metadata: list[WorkerMetadata] = []
-        self._ranks: list[WorkerRank] = []
+        # the actors as started (bundle order), until they have reported and are ranked
+        self._started: list[tuple[Any, int]] = []
+        self._workers: list[Worker] = []
 
     @property
     def config(self) -> WorkerGroupConfig:
@@ -99,16 +117,20 @@ class WorkerGroup:
         return self._name
 
     @property
+    def workers(self) -> list[Worker]:
+        """Every worker, in rank order."""
+        self._require(_State.STARTED, "read workers")
+        return list(self._workers)
+
+    @property
     def metadata(self) -> list[WorkerMetadata]:
         """What each worker reported about itself, in rank order."""
-        self._require(_State.STARTED, "read metadata")
-        return list(self._metadata)
+        return [worker.metadata for worker in self.workers]
 
     @property
     def ranks(self) -> list[WorkerRank]:
         """The rank of each worker, in rank order."""
-        self._require(_State.STARTED, "read ranks")
-        return list(self._ranks)
+        return [worker.rank for worker in self.workers]
 
     def __len__(self) -> int:
         return self._config.num_workers
@@ -127,50 +149,55 @@ class WorkerGroup:
             config.resources_per_worker, config.num_workers, config.placement_strategy
         )
         try:
-            self._actors = self._start_actors(self._reserve(deadline))
+            self._started = self._start_actors(self._reserve(deadline))
             self._state = _State.STARTED
-            metadata = self._get(
-                [actor.metadata.remote() for actor in self._actors],
+            reported = self._get(
+                [actor.metadata.remote() for actor, _ in self._started],
                 timeout_s=remaining(deadline),
                 what="start the workers",
                 metadata=[],
             )
-            order = rank_order(metadata)
-            self._actors = [self._actors[i] for i in order]
-            self._metadata = [metadata[i] for i in order]
-            self._ranks = assign_ranks(self._metadata)
-            devices = visible_devices(self._metadata)
+            order = rank_order(reported)
+            metadata = [reported[i] for i in order]
+            devices = visible_devices(metadata)
+            self._workers = [
+                Worker(
+                    actor=self._started[i][0],
+                    metadata=meta,
+                    rank=rank,
+                    device_index=device_index(meta, devices[meta.node_id]),
+                    bundle_index=self._started[i][1],
+                )
+                for i, meta, rank in zip(order, metadata, assign_ranks(metadata), strict=True)
+            ]
+            self._started = []
             self._get(
                 [
-                    actor.execute.remote(
-                        set_context,
-                        WorkerContext(meta, rank, device_index(meta, devices[meta.node_id])),
-                        devices[meta.node_id],
+                    worker.actor.execute.remote(
+                        set_context, worker.context, devices[worker.metadata.node_id]
                     )
-                    for actor, meta, rank in zip(
-                        self._actors, self._metadata, self._ranks, strict=True
-                    )
+                    for worker in self._workers
                 ],
                 timeout_s=remaining(deadline),
                 what="start the workers",
-                metadata=self._metadata,
+                metadata=metadata,
             )
             if config.init_hook is not None:
                 self._get(
                     self.execute_async(config.init_hook),
                     timeout_s=remaining(deadline),
                     what="run init_hook within startup_timeout_s",
-                    metadata=self._metadata,
+                    metadata=metadata,
                 )
         except BaseException:
             self.shutdown()
             raise
-        log.debug("Started worker group %s: %s", self._name, self._ranks)
+        log.debug("Started worker group %s: %s", self._name, [w.rank for w in self._workers])
 
     def execute_async(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """Driver side: runs ``fn`` on every worker; returns one future per worker, in rank order."""
         self._require(_State.STARTED, "execute")
-        return [actor.execute.remote(fn, *args, **kwargs) for actor in self._actors]
+        return [worker.actor.execute.remote(fn, *args, **kwargs) for worker in self._workers]
 
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
         """Driver side: runs ``fn`` on every worker and returns the results in rank order."""
@@ -180,10 +207,13 @@ class WorkerGroup:
         self, index: int, fn: Callable[..., T], *args: Any, **kwargs: Any
     ) -> ray.ObjectRef:
         """Driver side: runs ``fn`` on the worker of global rank ``index``; returns its future."""
-        self._require(_State.STARTED, "execute")
-        if not 0 <= index < len(self._actors):
-            raise IndexError(f"worker index must be in [0, {len(self._actors)}), got {index}")
-        return self._actors[index].execute.remote(fn, *args, **kwargs)
+        return self._worker(index, "execute").actor.execute.remote(fn, *args, **kwargs)
+
+    def poll_async(self, index: int) -> ray.ObjectRef:
+        """Driver side: asks the worker of global rank ``index`` for what the running function
+        left in its outbox (a :class:`~ray_lightning_sgd._worker_group.outbox.Mail`); answered
+        while the function runs."""
+        return self._worker(index, "poll").actor.poll.remote()
 
     def execute_single(self, index: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Driver side: runs ``fn`` on the worker of global rank ``index`` and returns its result."""
@@ -206,7 +236,7 @@ class WorkerGroup:
             refs,
             timeout_s=timeout_s,
             what="finish",
-            metadata=self._metadata,
+            metadata=[worker.metadata for worker in self._workers],
             watch=watch,
             watch_interval_s=watch_interval_s,
         )
@@ -216,7 +246,8 @@ class WorkerGroup:
         if self._state is _State.SHUTDOWN:
             return
         self._state = _State.SHUTDOWN
-        actors, self._actors = self._actors, []
+        actors = [worker.actor for worker in self._workers] + [a for a, _ in self._started]
+        self._workers, self._started = [], []
         for actor in actors:
             ray.kill(actor, no_restart=True)
         if actors:
@@ -228,6 +259,12 @@ class WorkerGroup:
             self._placement_group = None
         log.debug("Shut down worker group %s", self._name)
 
+    def _worker(self, index: int, action: str) -> Worker:
+        self._require(_State.STARTED, action)
+        if not 0 <= index < len(self._workers):
+            raise IndexError(f"worker index must be in [0, {len(self._workers)}), got {index}")
+        return self._workers[index]
+
     def _require(self, state: _State, action: str) -> None:
         if self._state is not state:
             raise WorkerGroupError(
@@ -235,16 +272,16 @@ class WorkerGroup:
                 f"it must be {state.value}"
             )
 
-    def _reserve(self, deadline: float) -> PlacementGroup:
+    def _reserve(self, deadline: float) -> tuple[PlacementGroup, list[int]]:
         config = self._config
         bundle = dict(config.resources_per_worker)
         enclosing = get_current_placement_group()
         if enclosing is not None:
             # a Ray Tune trial (or any task in a placement group): use its bundles, not a second
             # group that the trial's own reservation may leave no room for
-            self._bundles = bundles_for_workers(enclosing.bundle_specs, bundle, config.num_workers)
-            return enclosing
-        self._bundles = list(range(config.num_workers))
+            return enclosing, bundles_for_workers(
+                enclosing.bundle_specs, bundle, config.num_workers
+            )
         group = placement_group(
             [bundle] * config.num_workers, strategy=config.placement_strategy, name=self._name
         )
@@ -259,28 +296,32 @@ class WorkerGroup:
                 f"{config.startup_timeout_s}s; {cluster.describe_available()}. Free resources, add "
                 "nodes, ask for less, or raise startup_timeout_s"
             )
-        return group
+        return group, list(range(config.num_workers))
 
-    def _start_actors(self, group: PlacementGroup) -> list[Any]:
+    def _start_actors(self, reserved: tuple[PlacementGroup, list[int]]) -> list[tuple[Any, int]]:
+        group, bundles = reserved
         config = self._config
         resources = dict(config.resources_per_worker)
         num_cpus = resources.pop("CPU", 0)
         num_gpus = resources.pop("GPU", 0)
         runtime_env = {"env_vars": dict(config.worker_env)} if config.worker_env else None
-        actor_cls = ray.remote(_Worker)
+        actor_cls = ray.remote(concurrency_groups={POLL_GROUP: 1})(_Worker)  # type: ignore[call-overload]
         return [
-            actor_cls.options(
-                name=f"{self._name}-{index}",
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                resources=resources,
-                runtime_env=runtime_env,
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=self._bundles[index]
-                ),
-            ).remote()
-            for index in range(config.num_workers)
+            (
+                actor_cls.options(
+                    name=f"{self._name}-{index}",
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    resources=resources,
+                    runtime_env=runtime_env,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=group, placement_group_bundle_index=bundle_index
+                    ),
+                ).remote(),
+                bundle_index,
+            )
+            for index, bundle_index in enumerate(bundles)
         ]
 
     def _get(

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import ray
 
 from ray_lightning_sgd._worker_group.context import current_context
+from ray_lightning_sgd._worker_group.outbox import Mail, get_outbox
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
 
 T = TypeVar("T")
@@ -21,8 +22,17 @@ T = TypeVar("T")
 IN_COLLECTIVE = "_ray_lightning_sgd_in_collective"
 
 
+#: The actor's second thread: polls are answered while a function runs in the first.
+POLL_GROUP = "poll"
+
+
 class _Worker:
-    """Runs on each worker. The Ray actor that executes the functions the driver sends."""
+    """Runs on each worker. The Ray actor that executes the functions the driver sends.
+
+    Functions run one at a time, in a thread of the actor's own (Ray's default concurrency group
+    of one); :meth:`poll` runs in a second thread, so that the driver reads the worker's outbox
+    while a function runs (the pattern of Ray Train v2's workers).
+    """
 
     def metadata(self) -> WorkerMetadata:
         context = ray.get_runtime_context()
@@ -34,6 +44,11 @@ class _Worker:
             actor_id=context.get_actor_id() or "",
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
         )
+
+    @ray.method(concurrency_group=POLL_GROUP)
+    def poll(self) -> Mail:
+        """What the running (or last) function left for the driver since the previous poll."""
+        return get_outbox().take()
 
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:

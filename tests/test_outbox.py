@@ -1,0 +1,62 @@
+"""The worker's outbox, alone (no Ray): what a poll takes, and when a value counts as delivered."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ray_lightning_sgd._worker_group.outbox import Outbox
+
+
+def test_a_poll_takes_items_once_and_new_latest_values_once():
+    outbox = Outbox()
+    outbox.open("call-1")
+    outbox.append("lines", ["a", "b"])
+    outbox.append("lines", ["c"])
+    outbox.put_latest("where", ("training", 3))
+    mail = outbox.take()
+    assert mail.call_id == "call-1"
+    assert mail.items == {"lines": ["a", "b", "c"]}
+    assert mail.latest == {"where": ("training", 3)}
+    again = outbox.take()
+    assert again.items == {} and again.latest == {}, "a second poll takes nothing twice"
+    assert again.ages["where"] >= mail.ages["where"], "but still says how old the value is"
+
+
+def test_opening_for_a_new_call_empties_the_outbox():
+    outbox = Outbox()
+    outbox.open("call-1")
+    outbox.append("lines", ["old"])
+    outbox.put_latest("where", ("training", 1))
+    outbox.open("call-2")
+    mail = outbox.take()
+    assert mail == ("call-2", {}, {}, {})
+
+
+def test_a_value_is_delivered_once_a_later_poll_came():
+    outbox = Outbox()
+    outbox.open("call")
+    sequence = outbox.put_latest("resume", b"checkpoint")
+    assert not outbox.wait_delivered("resume", sequence, timeout_s=0.05), "nobody polled yet"
+    assert outbox.take().latest == {"resume": b"checkpoint"}
+    # the poll that took it may not have reached the driver yet: only the next one proves it
+    assert not outbox.wait_delivered("resume", sequence, timeout_s=0.05)
+    outbox.take()
+    assert outbox.wait_delivered("resume", sequence, timeout_s=0.05)
+
+
+def test_a_waiting_writer_wakes_when_the_driver_polls_again():
+    outbox = Outbox()
+    outbox.open("call")
+    sequence = outbox.put_latest("resume", b"checkpoint")
+    delivered: list[bool] = []
+    writer = threading.Thread(
+        target=lambda: delivered.append(outbox.wait_delivered("resume", sequence, timeout_s=10))
+    )
+    writer.start()
+    started = time.monotonic()
+    outbox.take()
+    outbox.take()
+    writer.join(timeout=10)
+    assert delivered == [True]
+    assert time.monotonic() - started < 5
