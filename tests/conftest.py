@@ -53,6 +53,26 @@ def start_local_ray() -> None:
         )
 
 
+#: Fixtures that end the shared cluster and start clusters of their own.
+_OWN_CLUSTER_FIXTURES = ("nodes_with_own_folders", "two_nodes", "head_and_worker_node", "no_ray")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Runs the suite in the order that starts the fewest workers: tests without Ray first, then
+    those that share warm workers, then those that need the cluster free of them, then those that
+    replace the shared cluster with one of their own. Within each part, the usual order."""
+
+    def part(item: pytest.Item) -> int:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & set(_OWN_CLUSTER_FIXTURES):
+            return 3
+        if "free_cluster" in fixtures:
+            return 2
+        return 1 if "ray_cluster" in fixtures else 0
+
+    items.sort(key=part)  # stable: each part keeps the files' order
+
+
 @pytest.fixture
 def ray_cluster():
     """A running local Ray cluster, shared by every test that asks for it.

@@ -367,3 +367,27 @@ def test_a_large_resume_point_ends_up_in_the_drivers_memory(free_cluster):
     point = inbox.resume
     assert point is not None and (point.epoch, point.global_step) == (3, 42)
     assert len(point.data) == size and point.data[:1] == point.data[-1:] == b"\x07"
+
+
+class _SlowOnTheDriver(Callback):
+    """A driver callback slower than the progress timeout (a Tune report copying a checkpoint)."""
+
+    def on_train_start(self, trainer, pl_module):
+        import time
+
+        time.sleep(5)
+
+
+def test_the_drivers_own_slow_callbacks_are_no_ranks_silence(ray_cluster, tmp_path):
+    # the ranks report every 0.3 s step; the driver alone is busy for longer than the timeout,
+    # and the workers are still training when it is done. Warm workers first: a cold worker's
+    # imports before its first report would take a tight timeout's time by themselves
+    _fit(tmp_path, RaySGDStrategy(num_workers=2), enable_progress_bar=False, epochs=1)
+    strategy = RaySGDStrategy(
+        num_workers=2, progress_timeout_s=3, driver_callbacks=[_SlowOnTheDriver()]
+    )
+    trainer = _fit(
+        tmp_path, strategy, enable_progress_bar=False, model=SlowSteps(str(tmp_path / "losses")),
+        epochs=3,
+    )  # fmt: skip
+    assert trainer.current_epoch == 3

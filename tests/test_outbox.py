@@ -30,18 +30,21 @@ def test_opening_for_a_new_call_empties_the_outbox():
     outbox.put_latest("where", ("training", 1))
     outbox.open("call-2")
     mail = outbox.take()
-    assert mail == ("call-2", {}, {}, {})
+    assert mail == ("call-2", {}, {}, {}, {})
 
 
-def test_a_value_is_delivered_once_a_later_poll_came():
+def test_a_value_is_delivered_once_the_driver_acknowledges_it():
     outbox = Outbox()
     outbox.open("call")
     sequence = outbox.put_latest("resume", b"checkpoint")
     assert not outbox.wait_delivered("resume", sequence, timeout_s=0.05), "nobody polled yet"
-    assert outbox.take().latest == {"resume": b"checkpoint"}
-    # the poll that took it may not have reached the driver yet: only the next one proves it
+    mail = outbox.take()
+    assert mail.latest == {"resume": b"checkpoint"} and mail.sequences == {"resume": sequence}
+    # taken is not held: the answer may never reach the driver; only its acknowledgement counts
     assert not outbox.wait_delivered("resume", sequence, timeout_s=0.05)
     outbox.take()
+    assert not outbox.wait_delivered("resume", sequence, timeout_s=0.05)
+    outbox.take(acknowledged={"resume": sequence})
     assert outbox.wait_delivered("resume", sequence, timeout_s=0.05)
 
 
@@ -56,7 +59,7 @@ def test_a_waiting_writer_wakes_when_the_driver_polls_again():
     writer.start()
     started = time.monotonic()
     outbox.take()
-    outbox.take()
+    outbox.take(acknowledged={"resume": sequence})
     writer.join(timeout=10)
     assert delivered == [True]
     assert time.monotonic() - started < 5

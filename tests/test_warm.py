@@ -139,3 +139,24 @@ def test_an_interrupt_while_choosing_warm_workers_leaks_nothing(ray_cluster, mon
         pool.acquire(strategy.backend_config, strategy.worker_group_config)
     assert pool.idle_group_names() == []
     assert leftovers() == ([], []), "the idle group taken out of the pool was left running"
+
+
+class _PoolWatcher(pl.Callback):
+    """A driver callback: notes what the pool holds while the workers train."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[list[str], list[str]]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.seen.append((pool.leased_group_names(), pool.idle_group_names()))
+
+
+def test_the_pool_holds_the_workers_while_they_run_and_after(ray_cluster):
+    watcher = _PoolWatcher()
+    _trainer(RaySGDStrategy(num_workers=2, driver_callbacks=[watcher])).fit(TinyModel(), loader())
+    [(leased, idle)] = watcher.seen
+    assert len(leased) == 1 and idle == [], "a running call's workers are lent, not idle"
+    assert pool.leased_group_names() == [] and pool.idle_group_names() == leased
+    with pytest.raises(ValueError, match="injected failure"):
+        _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(fail_on_rank=0), loader())
+    assert pool.leased_group_names() == [] and pool.idle_group_names() == []

@@ -3,7 +3,9 @@
 There is no process in between: while the driver waits for a call's workers, :meth:`RunInbox.pump`
 asks each worker for its outbox (:mod:`ray_lightning_sgd._worker_group.outbox`), rank 0 every
 :data:`PUMP_INTERVAL_S` and the others every :data:`OTHER_RANKS_INTERVAL_S`, without blocking: a
-worker is asked again only once its previous answer is in the driver's memory. The answers give
+worker is asked again only once its previous answer is in the driver's memory, and each poll
+acknowledges the latest values the driver holds. The driver's own time in callbacks does not count
+as any rank's silence. The answers give
 
 - each rank's output lines, printed here tagged ``[rank R]``;
 - rank 0's callback events (and functions any rank sent with ``send_to_driver``), replayed into
@@ -65,6 +67,8 @@ class RunInbox:
         # per rank: when the driver last saw it progress (monotonic), and where it was
         self._progress_at: dict[int, float] = {}
         self._where: dict[int, tuple[str, int]] = {}
+        # per rank: the numbers of the latest values the driver holds, sent with the next poll
+        self._acknowledged: dict[int, dict[str, int]] = {}
 
     def attach(self, group: WorkerGroup, call_id: str) -> None:
         """Driver side: an attempt starts on ``group``; its workers open their outboxes under
@@ -76,6 +80,7 @@ class RunInbox:
         self._next_ask = dict.fromkeys(range(len(group)), now)
         self._progress_at = dict.fromkeys(range(len(group)), now)
         self._where = dict.fromkeys(range(len(group)), ("start", 0))
+        self._acknowledged = {rank: {} for rank in range(len(group))}
 
     def pump(self) -> None:
         """Driver side, while the workers run: takes the answers that arrived, asks again those
@@ -83,11 +88,15 @@ class RunInbox:
         longer than the timeout. What a function sent by a worker raises comes out here."""
         if self._group is None:
             return
+        started = time.monotonic()
         self._take_answers(timeout_s=0.0, run_calls=True)
         now = time.monotonic()
+        # the driver's own work (callbacks, sent functions, large mail) is no rank's silence
+        busy = now - started
+        self._progress_at = {rank: at + busy for rank, at in self._progress_at.items()}
         for rank, due in self._next_ask.items():
             if rank not in self._asked and now >= due:
-                self._asked[rank] = self._group.poll_async(rank)
+                self._asked[rank] = self._ask(rank)
                 interval = PUMP_INTERVAL_S if rank == 0 else OTHER_RANKS_INTERVAL_S
                 self._next_ask[rank] = now + interval
         self._check(now)
@@ -102,8 +111,8 @@ class RunInbox:
 
     def abandon(self) -> None:
         """Driver side: the attempt failed or was lost; takes what the survivors left within a
-        moment (their output and events), but runs none of the functions they sent. Never
-        raises."""
+        moment (their output and events), but runs none of the functions they sent. Raises
+        nothing but an interrupt."""
         if self._group is None:
             return
         try:
@@ -119,8 +128,15 @@ class RunInbox:
             return
         deadline = time.monotonic() + timeout_s
         self._take_answers(timeout_s=timeout_s, run_calls=run_calls)
-        self._asked = {rank: self._group.poll_async(rank) for rank in range(len(self._group))}
+        for rank in range(len(self._group)):
+            if rank not in self._asked:  # an unanswered poll is still the one to wait for
+                self._asked[rank] = self._ask(rank)
         self._take_answers(max(0.0, deadline - time.monotonic()), run_calls=run_calls)
+
+    def _ask(self, rank: int) -> ray.ObjectRef:
+        if self._group is None:
+            raise RuntimeError("RunInbox asks the workers of an attempt only")
+        return self._group.poll_async(rank, dict(self._acknowledged.get(rank, {})))
 
     def _take_answers(self, timeout_s: float, run_calls: bool) -> None:
         if not self._asked:
@@ -146,6 +162,8 @@ class RunInbox:
             self._printer.write(rank, lines)
         if RESUME in mail.latest:
             self.resume = mail.latest[RESUME]
+            # in the driver's memory now: rank 0 trains on once the next poll says so
+            self._acknowledged.setdefault(rank, {})[RESUME] = mail.sequences[RESUME]
         if PROGRESS in mail.ages:
             self._progress_at[rank] = time.monotonic() - mail.ages[PROGRESS]
         if PROGRESS in mail.latest:

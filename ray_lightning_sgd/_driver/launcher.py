@@ -147,10 +147,13 @@ class RayLauncherBase(_Base):
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
         putter.shutdown(wait=False)
         del packed
-        attempt = _Attempt(None, shipped, payload.call_id)
-        self._attempt = attempt
-        attempt.executor = self._start_executor()
-        return attempt
+        try:
+            executor = self._start_executor()
+        except BaseException:
+            shipped.cancel()  # nothing keeps the payload in the object store
+            raise
+        self._attempt = _Attempt(executor, shipped, payload.call_id)
+        return self._attempt
 
     def _run_attempt(self, attempt: _Attempt, inbox: RunInbox | None) -> list[WorkerOutput]:
         """Driver side: runs the payload on every worker; polls them while it waits."""
@@ -169,14 +172,16 @@ class RayLauncherBase(_Base):
 
     def _stop_attempt(self, attempt: _Attempt, succeeded: bool, inbox: RunInbox | None) -> None:
         """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers."""
-        if inbox is not None:
-            inbox.abandon()  # a lost or failed attempt: what its survivors left, no sent calls
         attempt.shipped = None  # the payload may leave the object store
         self._attempt = None
         executor, attempt.executor = attempt.executor, None
-        if executor is not None:
-            keep = succeeded and self._strategy.reuse_workers
-            pool.release(executor, keep=keep, graceful=succeeded)
+        try:
+            if inbox is not None:
+                inbox.abandon()  # a lost or failed attempt: what its survivors left, no calls
+        finally:  # a second Ctrl-C during the above still stops the workers
+            if executor is not None:
+                keep = succeeded and self._strategy.reuse_workers
+                pool.release(executor, keep=keep, graceful=succeeded)
 
     def _start_executor(self) -> BackendExecutor:
         strategy = self._strategy

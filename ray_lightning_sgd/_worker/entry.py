@@ -224,7 +224,8 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     if trainer is not None:  # a Trainer's call: its output to the driver
         output = OutputForwarder()
     forwarder = next((cb for cb in ours if isinstance(cb, EventForwarderBase)), None)
-    open_channel(forwarder)
+    if trainer is not None:  # the driver polls a Trainer's call: send_to_driver works there
+        open_channel(forwarder)
     try:
         with output:
             results = payload.function(*args, **kwargs)

@@ -64,9 +64,10 @@ def close_channel() -> None:
 
 
 def send_to_driver(function: Any, *args: Any) -> None:
-    """Runs on a worker, during a call: runs ``function(*args)`` on the driver within about 0.1 s
-    (after the events before it; ``function`` must be importable there). What ``function`` raises
-    on the driver fails the call. A call that failed runs no more of them."""
+    """Runs on a worker, during a Trainer's call: runs ``function(*args)`` on the driver, within
+    about 0.1 s from rank 0 (after the events before it) and 0.5 s from other ranks; ``function``
+    must be importable there. Does not wait for it. What ``function`` raises on the driver fails
+    the call. A call that failed runs no more of them."""
     if not _open:
         raise RuntimeError("send_to_driver works on the workers of a RaySGDStrategy call only")
     if _forwarder is not None:

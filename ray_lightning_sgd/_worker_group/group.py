@@ -209,11 +209,11 @@ class WorkerGroup:
         """Driver side: runs ``fn`` on the worker of global rank ``index``; returns its future."""
         return self._worker(index, "execute").actor.execute.remote(fn, *args, **kwargs)
 
-    def poll_async(self, index: int) -> ray.ObjectRef:
+    def poll_async(self, index: int, acknowledged: dict[str, int] | None = None) -> ray.ObjectRef:
         """Driver side: asks the worker of global rank ``index`` for what the running function
         left in its outbox (a :class:`~ray_lightning_sgd._worker_group.outbox.Mail`); answered
         while the function runs."""
-        return self._worker(index, "poll").actor.poll.remote()
+        return self._worker(index, "poll").actor.poll.remote(acknowledged)
 
     def execute_single(self, index: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Driver side: runs ``fn`` on the worker of global rank ``index`` and returns its result."""

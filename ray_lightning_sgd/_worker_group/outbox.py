@@ -7,8 +7,8 @@ trains, with no process in between. A function writes to this worker's :class:`O
 - :meth:`Outbox.append` adds items to a channel (events, output lines); each poll takes them all;
 - :meth:`Outbox.put_latest` replaces a channel's value (where the rank is, the latest resume
   checkpoint); a poll takes a new value once, and reports every value's age at each poll;
-- :meth:`Outbox.wait_delivered` waits until the driver holds a value: the driver polls a worker
-  again only after it has the previous answer in its own memory.
+- :meth:`Outbox.wait_delivered` waits until the driver holds a value: each poll carries the
+  numbers of the values the driver has taken into its own memory (an acknowledgement).
 
 Each call opens the outbox under its own id; the driver ignores mail of any other call (a warm
 worker's previous one).
@@ -32,6 +32,8 @@ class Mail(NamedTuple):
     latest: dict[str, Any]
     #: Seconds since each channel's latest value was put, as the worker measured them.
     ages: dict[str, float]
+    #: The number of each latest value in ``latest`` (to acknowledge it in a later poll).
+    sequences: dict[str, int]
 
 
 class Outbox:
@@ -42,10 +44,11 @@ class Outbox:
         self._lock = threading.Condition()
         self._call_id = ""
         self._items: dict[str, list[Any]] = {}
-        # channel -> (value, put at, sequence number, taken by poll number or None)
-        self._latest: dict[str, tuple[Any, float, int, int | None]] = {}
+        # channel -> (value, put at, sequence number, whether a poll took it)
+        self._latest: dict[str, tuple[Any, float, int, bool]] = {}
         self._sequence = 0
-        self._polls = 0
+        # channel -> the highest number the driver acknowledged holding
+        self._acknowledged: dict[str, int] = {}
 
     @property
     def call_id(self) -> str:
@@ -69,7 +72,7 @@ class Outbox:
         """Makes ``value`` the channel's latest; returns its number for :meth:`wait_delivered`."""
         with self._lock:
             self._sequence += 1
-            self._latest[channel] = (value, time.monotonic(), self._sequence, None)
+            self._latest[channel] = (value, time.monotonic(), self._sequence, False)
             return self._sequence
 
     def wait_delivered(self, channel: str, sequence: int, timeout_s: float) -> bool:
@@ -80,27 +83,29 @@ class Outbox:
             entry = self._latest.get(channel)
             if entry is None or entry[2] != sequence:
                 return True  # replaced, or the outbox was opened for another call
-            taken_by = entry[3]
-            return taken_by is not None and self._polls > taken_by
+            return self._acknowledged.get(channel, 0) >= sequence
 
         with self._lock:
             return self._lock.wait_for(delivered, timeout=timeout_s)
 
-    def take(self) -> Mail:
-        """Answers a poll: the items added and the values put since the previous poll."""
+    def take(self, acknowledged: dict[str, int] | None = None) -> Mail:
+        """Answers a poll: the items added and the values put since the previous poll.
+
+        ``acknowledged`` maps channels to the highest value number the driver holds.
+        """
         with self._lock:
-            self._polls += 1
+            for channel, sequence in (acknowledged or {}).items():
+                self._acknowledged[channel] = max(self._acknowledged.get(channel, 0), sequence)
             now = time.monotonic()
             items, self._items = self._items, {}
-            latest = {}
-            ages = {}
-            for channel, (value, put_at, sequence, taken_by) in list(self._latest.items()):
+            latest, ages, sequences = {}, {}, {}
+            for channel, (value, put_at, sequence, taken) in list(self._latest.items()):
                 ages[channel] = now - put_at
-                if taken_by is None:
-                    latest[channel] = value
-                    self._latest[channel] = (None, put_at, sequence, self._polls)
-            self._lock.notify_all()  # a value taken by an earlier poll is now delivered
-            return Mail(self._call_id, items, latest, ages)
+                if not taken:
+                    latest[channel], sequences[channel] = value, sequence
+                    self._latest[channel] = (None, put_at, sequence, True)
+            self._lock.notify_all()  # a waiting writer checks the acknowledgements
+            return Mail(self._call_id, items, latest, ages, sequences)
 
 
 _outbox = Outbox()

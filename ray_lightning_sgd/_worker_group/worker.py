@@ -46,9 +46,10 @@ class _Worker:
         )
 
     @ray.method(concurrency_group=POLL_GROUP)
-    def poll(self) -> Mail:
-        """What the running (or last) function left for the driver since the previous poll."""
-        return get_outbox().take()
+    def poll(self, acknowledged: dict[str, int] | None = None) -> Mail:
+        """What the running (or last) function left for the driver since the previous poll;
+        ``acknowledged``: the numbers of the latest values the driver holds."""
+        return get_outbox().take(acknowledged)
 
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         try:
