@@ -66,7 +66,7 @@ class RunInbox:
         self._next_ask: dict[int, float] = {}
         # per rank: when the driver last saw it progress (monotonic), and where it was
         self._progress_at: dict[int, float] = {}
-        self._where: dict[int, tuple[str, int]] = {}
+        self._last_at: dict[int, tuple[str, int]] = {}
         # per rank: the numbers of the latest values the driver holds, sent with the next poll
         self._acknowledged: dict[int, dict[str, int]] = {}
 
@@ -79,7 +79,7 @@ class RunInbox:
         self._asked = {}
         self._next_ask = dict.fromkeys(range(len(group)), now)
         self._progress_at = dict.fromkeys(range(len(group)), now)
-        self._where = dict.fromkeys(range(len(group)), ("start", 0))
+        self._last_at = dict.fromkeys(range(len(group)), ("start", 0))
         self._acknowledged = {rank: {} for rank in range(len(group))}
 
     def pump(self) -> None:
@@ -167,7 +167,7 @@ class RunInbox:
         if PROGRESS in mail.ages:
             self._progress_at[rank] = time.monotonic() - mail.ages[PROGRESS]
         if PROGRESS in mail.latest:
-            self._where[rank] = mail.latest[PROGRESS]
+            self._last_at[rank] = mail.latest[PROGRESS]
         blobs = mail.items.get(EVENTS)
         if blobs and self.replay is not None:
             self.replay.replay(blobs, run_calls=run_calls)
@@ -182,8 +182,8 @@ class RunInbox:
         if not quiet:
             return
         ranks = "; ".join(
-            f"rank {rank} ({_where(self._metadata, rank)}) silent for {seconds:.0f}s, last at "
-            f"{self._where[rank][0]} step {self._where[rank][1]}"
+            f"rank {rank} ({_node_of(self._metadata, rank)}) silent for {seconds:.0f}s, last at "
+            f"{self._last_at[rank][0]} step {self._last_at[rank][1]}"
             for rank, seconds in quiet
         )
         raise WorkerTimeoutError(
@@ -193,7 +193,7 @@ class RunInbox:
         )
 
 
-def _where(metadata: list[WorkerMetadata], rank: int) -> str:
+def _node_of(metadata: list[WorkerMetadata], rank: int) -> str:
     if rank >= len(metadata):
         return "not started"
     meta = metadata[rank]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -25,9 +24,6 @@ from ray_lightning_sgd.exceptions import WorkerGroupError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-
-
-log = logging.getLogger(__name__)
 
 
 def recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[WorkerOutput]) -> Any:

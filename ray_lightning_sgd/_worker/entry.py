@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import random
 import time
@@ -42,9 +41,6 @@ if TYPE_CHECKING:
 
 # the values of Lightning's TrainerFn, the same in both namespaces
 FITTING, VALIDATING, TESTING, PREDICTING = "fit", "validate", "test", "predict"
-
-
-log = logging.getLogger(__name__)
 
 
 #: Environment variables of the driver that Lightning's spawned processes inherit and read.

@@ -10,9 +10,6 @@ from typing import Any
 
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
-log = logging.getLogger(__name__)
-
-
 #: The outbox channel of output lines: (stream name, line).
 OUTPUT = "output"
 
