@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import pytorch_lightning as pl
 import ray
@@ -160,3 +162,22 @@ def test_the_pool_holds_the_workers_while_they_run_and_after(ray_cluster):
     with pytest.raises(ValueError, match="injected failure"):
         _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(fail_on_rank=0), loader())
     assert pool.leased_group_names() == [] and pool.idle_group_names() == []
+
+
+def _objects_of_finished_calls() -> dict[str, int]:
+    """Runs on each worker: the Trainers and models alive anywhere, frozen ones included."""
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()  # get_objects() leaves out the frozen generation
+    try:
+        names = [type(o).__name__ for o in gc.get_objects()]
+    finally:
+        gc.freeze() if frozen else None
+    return {name: names.count(name) for name in ("Trainer", "TinyModel")}
+
+
+def test_idle_workers_keep_nothing_of_a_finished_call(ray_cluster):
+    for _ in range(2):  # the first release freezes what the imports built; the second must not
+        _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(), loader())
+        [idle] = pool._idle
+        left = idle.executor.run(_objects_of_finished_calls)
+        assert left == [{"Trainer": 0, "TinyModel": 0}] * 2, left

@@ -165,7 +165,10 @@ class RayLauncherBase(_Base):
             inbox.attach(executor.worker_group, attempt.call_id)
             watch, interval = inbox.pump, PUMP_INTERVAL_S
         packed = attempt.shipped.result()
-        results = executor.run(run_on_worker, packed, watch=watch, watch_interval_s=interval)
+        imports = (self._strategy.flavour.namespace,)
+        results = executor.run(
+            run_on_worker, packed, imports, watch=watch, watch_interval_s=interval
+        )
         if inbox is not None:
             inbox.finish()  # the last output and events: the workers left them before returning
         return [unpack(out) for out in results]
