@@ -296,7 +296,13 @@ def measure_shipping(megabytes: int) -> dict[str, float]:
     return result
 
 
+#: Seconds between two runs: a run's Ray processes (and Lightning's ``ddp`` children) exit after
+#: the run's own process, and would otherwise share the 2 cores with the next run's start.
+SETTLE_S = 3.0
+
+
 def _one_run(mode: str) -> dict[str, float]:
+    time.sleep(SETTLE_S)
     out = tempfile.mktemp(prefix=f"bench-{mode}-")
     subprocess.run(
         [sys.executable, __file__, "--run", mode, "--out", out],

@@ -9,7 +9,9 @@ each storage once into fresh, writable memory owned by the receiving process. Te
 storage (views, tied weights) share one again after the trip.
 
 Ray object refs and actor handles inside the object are not pickled here: they travel in
-:class:`Packed` itself, so that Ray's serializer sees them and counts their references.
+:class:`Packed` itself, so that Ray's serializer sees them and counts their references. Objects
+both sides hold (a Trainer, its model) can travel by name instead (``shared``): the receiving side
+puts its own object of that name in their place.
 
 Anything else (GPU, sparse or quantized tensors, tensor subclasses, tensors with Python attributes)
 falls back to torch's own pickling, unchanged.
@@ -41,29 +43,48 @@ class Packed(NamedTuple):
     ray_objects: list[Any]
 
 
-def pack(obj: Any) -> Packed:
-    """Pickles ``obj`` with cloudpickle, tensor storages out of band."""
+def pack(obj: Any, shared: dict[int, str] | None = None, cpu: bool = False) -> Packed:
+    """Pickles ``obj`` with cloudpickle, tensor storages out of band.
+
+    Args:
+        obj: What to pickle.
+        shared: Objects (by ``id``) that are pickled as their name: :func:`unpack` takes the
+            receiving side's object of that name.
+        cpu: Whether tensors on other devices travel as CPU tensors (for a driver without them).
+    """
     file = io.BytesIO()
     buffers: list[pickle.PickleBuffer] = []
-    pickler = _Pickler(file, buffers)
+    pickler = _Pickler(file, buffers, shared or {}, cpu)
     pickler.dump(obj)
     return Packed(file.getvalue(), buffers, pickler.ray_objects)
 
 
-def unpack(packed: Packed, copy: bool = True) -> Any:
+def unpack(packed: Packed, copy: bool = True, shared: dict[str, Any] | None = None) -> Any:
     """Rebuilds what :func:`pack` packed; every tensor owns a writable copy of its storage.
 
     With ``copy=False`` the tensors are views of the buffers instead, which after a trip through
     Ray are Ray's shared object store: read them (to copy them elsewhere), never write them.
+    ``shared`` maps the names :func:`pack` gave shared objects to this side's objects; a name it
+    lacks raises ``KeyError``.
     """
-    unpickler = _Unpickler(io.BytesIO(packed.data), packed.buffers, packed.ray_objects, copy)
+    unpickler = _Unpickler(
+        io.BytesIO(packed.data), packed.buffers, packed.ray_objects, copy, shared or {}
+    )
     return unpickler.load()
 
 
 class _Pickler(cloudpickle.CloudPickler):
-    def __init__(self, file: io.BytesIO, buffers: list[pickle.PickleBuffer]) -> None:
+    def __init__(
+        self,
+        file: io.BytesIO,
+        buffers: list[pickle.PickleBuffer],
+        shared: dict[int, str],
+        cpu: bool,
+    ) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self.ray_objects: list[Any] = []
+        self._shared = shared
+        self._cpu = cpu
         # one _Storage per distinct storage, so that pickle's memo shares it between its tensors
         self._storages: dict[int, _Storage] = {}
 
@@ -71,9 +92,16 @@ class _Pickler(cloudpickle.CloudPickler):
         if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
             self.ray_objects.append(obj)
             return len(self.ray_objects) - 1
-        return None
+        name = self._shared.get(id(obj))
+        return None if name is None else ("shared", name)
 
     def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if self._cpu and kind in _PLAIN_TENSOR_TYPES and obj.device.type not in ("cpu", "meta"):
+            moved = obj.detach().cpu().requires_grad_(obj.requires_grad)
+            if kind is torch.nn.Parameter:
+                moved = torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
+            obj = moved
         if type(obj) in _PLAIN_TENSOR_TYPES and _is_plain_cpu_tensor(obj):
             return self._reduce_tensor(obj)
         return super().reducer_override(obj)
@@ -100,13 +128,21 @@ class _Pickler(cloudpickle.CloudPickler):
 
 class _Unpickler(pickle.Unpickler):
     def __init__(
-        self, file: io.BytesIO, buffers: list[Any], ray_objects: list[Any], copy: bool
+        self,
+        file: io.BytesIO,
+        buffers: list[Any],
+        ray_objects: list[Any],
+        copy: bool,
+        shared: dict[str, Any],
     ) -> None:
         super().__init__(file, buffers=buffers)
         self._ray_objects = ray_objects
         self._copy = copy
+        self._shared = shared
 
     def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple):
+            return self._shared[pid[1]]
         return self._ray_objects[pid]
 
     def find_class(self, module: str, name: str) -> Any:

@@ -213,3 +213,18 @@ def test_ray_names_placement_group_resources_apart(free_cluster):
         assert not _compat.ray.is_placement_group_resource("CPU")
     finally:
         remove_placement_group(group)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_tuners_end_their_fit_with_the_tuner_exit_exception(namespace):
+    exit_type = _compat.tuner_exit_exception(namespace)
+    call = importlib.import_module(f"{namespace}.trainer.call")
+    finder = importlib.import_module(f"{namespace}.callbacks.lr_finder")
+    assert f"except {exit_type.__name__}" in inspect.getsource(call._call_and_handle_interrupt), (
+        f"{namespace}'s _call_and_handle_interrupt no longer handles {exit_type.__name__}; "
+        "update _compat.tuner_exit_exception"
+    )
+    assert f"raise {exit_type.__name__}()" in inspect.getsource(finder), (
+        f"{namespace}'s LR finder no longer raises {exit_type.__name__}; "
+        "update _compat.tuner_exit_exception"
+    )

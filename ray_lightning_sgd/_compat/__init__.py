@@ -14,6 +14,7 @@ from ray_lightning_sgd._compat.lightning import (
     mark_loop_finished,
     set_logger_version,
     should_check_val_epoch,
+    tuner_exit_exception,
     val_check_view,
     with_ckpt_path,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "set_logger_version",
     "should_check_val_epoch",
     "torch",
+    "tuner_exit_exception",
     "val_check_view",
     "with_ckpt_path",
 ]

@@ -41,6 +41,7 @@ class Flavour:
     cpu_accelerator: type
     cuda_accelerator: type
     callback: type
+    datamodule: type
     prediction_writer: type
     progress_bar: type
     cluster_environment: type
@@ -65,6 +66,7 @@ class Flavour:
             cpu_accelerator=pl.accelerators.CPUAccelerator,
             cuda_accelerator=pl.accelerators.CUDAAccelerator,
             callback=pl.callbacks.Callback,
+            datamodule=pl.LightningDataModule,
             prediction_writer=pl.callbacks.BasePredictionWriter,
             progress_bar=pl.callbacks.ProgressBar,
             cluster_environment=fabric.plugins.environments.ClusterEnvironment,

@@ -97,3 +97,15 @@ def val_check_view(should_check: bool) -> Any:
     epoch ends with a validation, as ``fit_loop.epoch_loop._should_check_val_epoch()``."""
     epoch_loop = SimpleNamespace(_should_check_val_epoch=lambda: should_check)
     return SimpleNamespace(epoch_loop=epoch_loop)
+
+
+#: Where each namespace keeps the exception its tuners end a ``fit`` with.
+_TUNER_EXIT = ("{namespace}.utilities.exceptions", "_TunerExitException")
+
+
+def tuner_exit_exception(namespace: str) -> type[BaseException]:
+    """The exception that Lightning's LR and batch size finders raise to end their ``fit``
+    (``_TunerExitException``); Lightning's ``_call_and_handle_interrupt`` ends the call on it."""
+    module = importlib.import_module(_TUNER_EXIT[0].format(namespace=namespace))
+    cls: type[BaseException] = getattr(module, _TUNER_EXIT[1])
+    return cls

@@ -136,7 +136,11 @@ class RayLauncherBase(_Base):
             _finish_artifacts(mirror)
         if trainer is None:
             return outputs[0].results
-        return recover_results_in_driver(trainer, outputs)
+        datamodule = next(
+            (a for a in [*args, *kwargs.values()] if isinstance(a, strategy.flavour.datamodule)),
+            None,
+        )
+        return recover_results_in_driver(trainer, outputs, datamodule)
 
     def _start_attempt(self, payload: Payload) -> _Attempt:
         """Driver side: pickles the payload, puts it into the object store and, meanwhile, starts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -11,14 +12,16 @@ import torch.backends.cudnn
 from torch import Tensor
 
 from ray_lightning_sgd import _compat
-from ray_lightning_sgd._serialization import unpack
+from ray_lightning_sgd._serialization import Packed, unpack
 from ray_lightning_sgd._worker import artifacts
 from ray_lightning_sgd._worker.entry import (
     PREDICTING,
+    Attributes,
     RankPredictions,
     WorkerOutput,
     callbacks_of,
     loop_of,
+    shared_objects,
 )
 from ray_lightning_sgd.exceptions import WorkerGroupError
 
@@ -26,30 +29,35 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
 
 
-def recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[WorkerOutput]) -> Any:
-    """Driver side: copies rank 0's results into the Trainer and model; returns the call's result."""
+def recover_results_in_driver(
+    trainer: pl.Trainer, outputs: Sequence[WorkerOutput], datamodule: Any = None
+) -> Any:
+    """Driver side: leaves the Trainer, the model and the call's ``datamodule`` with what rank 0's
+    hold, as a ``ddp`` run's driver (rank 0) holds them; returns the call's result.
+
+    A tuner's end (LR or batch size finder) raises the tuner's exception again afterwards, for
+    Lightning to end the call as it does in one process.
+    """
     rank_zero = outputs[0].rank_zero
     if rank_zero is None:
         raise WorkerGroupError("rank 0 sent no results back: the worker's half is out of step")
     artifacts.write(rank_zero.files)
-    for logger, version in zip(trainer.loggers, rank_zero.logger_versions, strict=False):
-        _compat.set_logger_version(logger, version)
     model = trainer.lightning_module
     if rank_zero.model_state is not None:
-        # not strict, as Lightning's spawn launcher: hooks on the worker may have changed layers
-        model.load_state_dict(unpack(rank_zero.model_state, copy=False), strict=False)
+        load_weights(model, unpack(rank_zero.model_state, copy=False))
     model.trainer = trainer
     trainer.state = rank_zero.state
     trainer.should_stop = rank_zero.should_stop
     loop = loop_of(trainer)
     loop.load_state_dict(rank_zero.loop_state)
     _compat.mark_loop_finished(loop)
+    restored = _restore_attributes(trainer, model, datamodule, rank_zero.attributes)
+    for logger, version in zip(trainer.loggers, rank_zero.logger_versions, strict=False):
+        if id(logger) not in restored:
+            _compat.set_logger_version(logger, version)
     for callback in callbacks_of(trainer):
         state = rank_zero.callback_states.get(callback.state_key)
-        if state:
-            if getattr(callback, "dirpath", False) is None and state.get("dirpath") is not None:
-                # a ModelCheckpoint resolves its directory in setup, which ran on the workers only
-                callback.dirpath = state["dirpath"]  # type: ignore[attr-defined]
+        if state and id(callback) not in restored:
             callback.load_state_dict(state)
     for target, source in (
         (trainer.callback_metrics, rank_zero.callback_metrics),
@@ -58,6 +66,8 @@ def recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[WorkerOutpu
     ):
         target.clear()
         target.update(source)
+    if outputs[0].tuner_exit:
+        raise _compat.tuner_exit_exception(_namespace(trainer))()
     if trainer.state.fn == PREDICTING:
         ranks = [out.predictions for out in outputs]
         if any(p is None for p in ranks):
@@ -65,6 +75,130 @@ def recover_results_in_driver(trainer: pl.Trainer, outputs: Sequence[WorkerOutpu
         merged = merge_predictions([p for p in ranks if p is not None])
         return merged[0] if len(merged) == 1 else merged
     return outputs[0].results
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    """Driver side: copies rank 0's weights into the driver's model; never silently partial.
+
+    A submodule that ``configure_model`` compiled on the workers names its weights
+    ``<name>._orig_mod.<...>``; they load into the driver's uncompiled submodule. Other keys that
+    do not match (layers a hook built or removed on the workers only) are named in a warning.
+    """
+    own = model.state_dict().keys()
+    if state.keys() != own:
+        renamed = {key.replace("._orig_mod", ""): value for key, value in state.items()}
+        if renamed.keys() == own:
+            state = renamed
+    missing, unexpected = sorted(own - state.keys()), sorted(state.keys() - own)
+    if missing or unexpected:
+        warnings.warn(
+            "The weights rank 0 sent back do not fit the driver's model, so only the matching ones "
+            f"were loaded: missing {_few(missing)}, unexpected {_few(unexpected)}. A hook that "
+            "ran on the workers only (configure_model, setup) changed the model's layers; build "
+            "them in __init__, or load the weights from a checkpoint the run saved",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    model.load_state_dict(state, strict=False)
+
+
+def _few(keys: list[str]) -> str:
+    return (
+        "none"
+        if not keys
+        else ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" * (len(keys) > 5))
+    )
+
+
+def _restore_attributes(
+    trainer: pl.Trainer, model: Any, datamodule: Any, packed: Packed | None
+) -> set[int]:
+    """Driver side: gives the driver's callbacks, loggers, model and datamodule rank 0's
+    attributes (see :class:`~ray_lightning_sgd._worker.entry.Attributes`); returns the ``id`` of
+    each callback and logger restored this way."""
+    if packed is None:
+        return set()
+    shared = _Shared(shared_objects(trainer, model, datamodule))
+    try:
+        attributes: Attributes = unpack(packed, shared=shared)
+    except Exception as err:  # noqa: BLE001  (what unpickles on a worker only)
+        warnings.warn(
+            f"Rank 0's callbacks, loggers and model attributes could not be brought back ({err!r}); "
+            "callbacks get their state_dict() only",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return set()
+    if attributes.left_out:
+        warnings.warn(
+            "These cannot be pickled, so they stayed on the workers and the driver keeps its "
+            f"own (a callback still gets its state_dict()): {'; '.join(attributes.left_out)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    restored: set[int] = set()
+    states: dict[str, list[Any]] = {}
+    for key, state in attributes.callbacks:
+        states.setdefault(key, []).append(state)
+    for callback in callbacks_of(trainer):
+        queue = states.get(callback.state_key)
+        if queue:
+            _set_state(callback, queue.pop(0))
+            restored.add(id(callback))
+    for logger, state in zip(trainer.loggers, attributes.loggers, strict=False):
+        if state is not None:
+            _set_state(logger, state)
+            restored.add(id(logger))
+    vars(model).update(attributes.model)
+    if datamodule is not None and attributes.datamodule is not None:
+        vars(datamodule).update(attributes.datamodule)
+    if attributes.optimizers is not None:
+        # after fit: rank 0's optimizers and schedulers, over the driver's parameters
+        missing = sorted(
+            p.name
+            for optimizer in attributes.optimizers
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if isinstance(p, MissingShared)
+        )
+        if missing:
+            warnings.warn(
+                "trainer.optimizers stays empty on the driver, and its save_checkpoint() holds no "
+                f"optimizer state: the optimizers train parameters the driver's model lacks "
+                f"({_few(missing)}), built by a hook on the workers only. The run's own "
+                "checkpoints hold them",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        else:
+            trainer.strategy.optimizers = attributes.optimizers
+            trainer.strategy.lr_scheduler_configs = attributes.lr_scheduler_configs or []
+    return restored
+
+
+@dataclass(frozen=True)
+class MissingShared:
+    """What stands, after the trip, for an object of rank 0 that the driver lacks (a parameter
+    of a layer that ``configure_model`` built on the workers only)."""
+
+    name: str
+
+
+class _Shared(dict[str, Any]):
+    def __missing__(self, key: str) -> MissingShared:
+        return MissingShared(key.partition(":")[2])
+
+
+def _set_state(obj: Any, state: Any) -> None:
+    setstate = getattr(obj, "__setstate__", None)
+    if setstate is not None:
+        setstate(state)
+    elif isinstance(state, dict):
+        vars(obj).update(state)
+
+
+def _namespace(trainer: pl.Trainer) -> str:
+    return type(trainer).__module__.split(".trainer")[0]
 
 
 def merge_predictions(ranks: Sequence[RankPredictions]) -> list[list[Any]]:

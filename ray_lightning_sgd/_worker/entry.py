@@ -82,7 +82,11 @@ class RankZeroResults(NamedTuple):
     #: straight from Ray's object store (:func:`unpack` with ``copy=False``).
     model_state: Packed | None
     loop_state: dict[str, Any]
+    #: Each callback's ``state_dict()``: what the driver's callback loads when
+    #: :attr:`attributes` could not be packed for it.
     callback_states: dict[str, dict[str, Any]]
+    #: Rank 0's objects as ``ddp``'s driver would hold them (see :func:`_attributes`).
+    attributes: Packed | None
     callback_metrics: dict[str, Any]
     logged_metrics: dict[str, Any]
     progress_bar_metrics: dict[str, Any]
@@ -106,6 +110,9 @@ class WorkerOutput(NamedTuple):
     results: Any
     rank_zero: RankZeroResults | None
     predictions: RankPredictions | None
+    #: Whether a tuner (LR finder, batch size finder) ended the call, as Lightning's tuners do:
+    #: the driver raises the tuner's exception again after taking the results.
+    tuner_exit: bool = False
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     args, kwargs = payload.args, payload.kwargs
     ours: list[Any] = []
     resume_file = None
+    tuner_exits: tuple[type[BaseException], ...] = ()
     if trainer is not None:
         strategy = trainer.strategy
         environment = getattr(strategy, "cluster_environment", None)
@@ -222,6 +230,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
             strategy.accelerator = accelerator()
         strategy.set_world_ranks()  # type: ignore[attr-defined]
         fitting = trainer.state.fn == FITTING
+        tuner_exits = (_compat.tuner_exit_exception(flavour.namespace),)
         if trainer.state.fn == PREDICTING:
             recorder = _batch_index_recorder(flavour)()
             ours.append(recorder)
@@ -244,9 +253,12 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     forwarder = next((cb for cb in ours if isinstance(cb, EventForwarderBase)), None)
     if trainer is not None:  # the driver polls a Trainer's call: send_to_driver works there
         open_channel(forwarder)
+    tuner_exit = False
     try:
         with output:
             results = payload.function(*args, **kwargs)
+    except tuner_exits:
+        results, tuner_exit = None, True  # the tuner finished: the driver ends the call
     except BaseException:
         if forwarder is not None:
             forwarder.send_now()  # the driver's view gets the steps before the error
@@ -263,7 +275,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     if collected.rank_zero is not None:
         files = artifacts.collect(payload.artifacts, trainer, started)
         collected = collected._replace(rank_zero=collected.rank_zero._replace(files=files))
-    return collected
+    return collected._replace(tuner_exit=tuner_exit)
 
 
 @functools.cache
@@ -277,9 +289,9 @@ def _collect_results(
 ) -> WorkerOutput:
     """Runs on each worker. Gathers what the driver needs: everything from rank 0, and each
     rank's predictions."""
-    fn = trainer.state.fn
-    # every rank computes the state dict, in case metrics in the model synchronise in it
-    model_state = to_cpu(trainer.lightning_module.state_dict()) if fn == FITTING else None
+    # every rank computes the state dict, in case metrics in the model synchronise in it; after
+    # every call, as validate/test may change buffers or load a checkpoint's weights (ckpt_path)
+    model_state = to_cpu(trainer.lightning_module.state_dict())
     predictions = None
     if recorder is not None:
         if results is not None:
@@ -292,12 +304,13 @@ def _collect_results(
     progress_bar_metrics, callback_metrics, logged_metrics = _compat.committed_metrics(trainer)
     rank_zero = RankZeroResults(
         state=trainer.state,
-        model_state=None if model_state is None else pack(model_state),
+        model_state=pack(model_state),
         # tensors go back on the CPU: the driver may have no GPU to unpickle them onto
         loop_state=to_cpu(loop_of(trainer).state_dict()),
         callback_states={
             cb.state_key: to_cpu(cb.state_dict()) for cb in callbacks_of(trainer) if cb.state_dict()
         },
+        attributes=_attributes(trainer),
         # rank 0 alone reads them: the committed dicts, as the properties could start a collective
         callback_metrics=to_cpu(dict(callback_metrics)),
         logged_metrics=to_cpu(dict(logged_metrics)),
@@ -307,6 +320,115 @@ def _collect_results(
         logger_versions=[getattr(logger, "version", None) for logger in trainer.loggers],
     )
     return WorkerOutput(to_cpu(results), rank_zero, predictions)
+
+
+class Attributes(NamedTuple):
+    """Rank 0's objects that the driver holds copies of, as ``ddp``'s driver (rank 0) holds them."""
+
+    #: Each callback's ``state_key`` and its attributes (``__getstate__()``): all its state,
+    #: ``state_dict()`` or not (a checkpoint's current score, an LR finder's result).
+    callbacks: list[tuple[str, Any]]
+    #: Each logger's attributes (a CSV logger's open writer appends to the fit's file).
+    loggers: list[Any]
+    #: The model's and the datamodule's public attributes (and hyperparameters), set on rank 0
+    #: (an LR finder's ``lr``, a batch size finder's ``batch_size``).
+    model: dict[str, Any]
+    datamodule: dict[str, Any] | None
+    #: After ``fit``: the optimizers and LR scheduler configs, over the driver's parameters
+    #: (``trainer.optimizers`` and the driver's ``save_checkpoint`` hold them, as under ``ddp``).
+    optimizers: list[Any] | None
+    lr_scheduler_configs: list[Any] | None
+    #: What could not be pickled and stayed on the workers (the driver warns, naming each).
+    left_out: list[str]
+
+
+def _attributes(trainer: pl.Trainer) -> Packed | None:
+    """Runs on rank 0. Packs :class:`Attributes`; references to the Trainer, its strategy, the
+    model or a submodule of it travel by name and become the driver's own. What cannot be
+    pickled is left out, each callback or logger on its own (the driver warns), so a callback
+    that holds an open file still returns its ``state_dict()``."""
+    model = trainer.lightning_module
+    datamodule = getattr(trainer, "datamodule", None)
+    shared = {id(obj): name for name, obj in shared_objects(trainer, model, datamodule).items()}
+    callbacks = [(cb.state_key, cb.__getstate__()) for cb in callbacks_of(trainer)]
+    loggers = [logger.__getstate__() for logger in trainer.loggers]
+    fitted = trainer.state.fn == FITTING
+    attributes = Attributes(
+        callbacks,
+        loggers,
+        public_attributes(model),
+        None if datamodule is None else public_attributes(datamodule),
+        list(trainer.optimizers) if fitted else None,
+        list(trainer.lr_scheduler_configs) if fitted else None,
+        [],
+    )
+    try:
+        return pack(attributes, shared=shared, cpu=True)
+    except Exception:  # noqa: BLE001  (what fails to pickle is a user's object: leave it out)
+        pass
+    left_out: list[str] = []
+
+    def keep(value: Any, what: str) -> bool:
+        try:
+            pack(value, shared=shared, cpu=True)
+        except Exception as err:  # noqa: BLE001
+            left_out.append(f"{what} ({type(err).__name__}: {err})")
+            return False
+        return True
+
+    def kept(attrs: dict[str, Any] | None, owner: str) -> dict[str, Any] | None:
+        if attrs is None:
+            return None
+        return {k: v for k, v in attrs.items() if keep(v, f"{owner}.{k}")}
+
+    packed = pack(
+        Attributes(
+            [(key, state) for key, state in callbacks if keep(state, f"callback {key}")],
+            [
+                state if keep(state, f"logger {type(logger).__name__}") else None
+                for logger, state in zip(trainer.loggers, loggers, strict=True)
+            ],
+            kept(attributes.model, "model") or {},
+            kept(attributes.datamodule, "datamodule"),
+            attributes.optimizers if keep(attributes.optimizers, "the optimizers") else None,
+            attributes.lr_scheduler_configs
+            if keep(attributes.lr_scheduler_configs, "the LR schedulers")
+            else None,
+            left_out,
+        ),
+        shared=shared,
+        cpu=True,
+    )
+    return packed
+
+
+def shared_objects(trainer: Any, model: Any, datamodule: Any) -> dict[str, Any]:
+    """The objects that both the driver and rank 0 hold, by the name each travels under
+    (:func:`~ray_lightning_sgd._serialization.pack`'s ``shared``): a reference to one of them
+    comes back as the driver's own."""
+    names = {"trainer": trainer, "strategy": trainer.strategy}
+    if datamodule is not None:
+        names["datamodule"] = datamodule
+    # a submodule compiled on the workers only (configure_model) has the driver's names
+    for name, module in model.named_modules():
+        names[f"module:{name.replace('._orig_mod', '')}"] = module
+    for name, parameter in model.named_parameters():
+        names[f"parameter:{name.replace('._orig_mod', '')}"] = parameter
+    return names
+
+
+def public_attributes(obj: Any) -> dict[str, Any]:
+    """An object's attributes whose names do not start with ``_`` (but its hyperparameters): what
+    user code sets on a model or datamodule. Less torch's module flag ``training`` and the
+    object's own methods (DDP's forward redirection leaves ``forward`` in the model's
+    ``__dict__``)."""
+    return {
+        key: value
+        for key, value in vars(obj).items()
+        if (not key.startswith("_") or key == "_hparams")
+        and key != "training"
+        and getattr(value, "__self__", None) is not obj
+    }
 
 
 def callbacks_of(trainer: pl.Trainer) -> list[Callback]:
