@@ -86,6 +86,12 @@ class Run:
         settings["callbacks"] = [HookRecorder(namespace.Callback), *settings.get("callbacks", [])]
         return namespace.Trainer(**settings)
 
+    def record_value(self, label: str, value: Any) -> None:
+        """Records one value alone (what a single process returns, where ``ddp`` cannot show
+        it)."""
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            self.records.append((label, {"value": normalise(value, self.root)}))
+
     def record(self, label: str, trainer: Any, model: Any, result: Any = None) -> None:
         """After a call: what the driver sees (on rank 0 only; ddp's rank 1 records nothing)."""
         if trainer.global_rank == 0:
@@ -591,6 +597,23 @@ def case_predict_writer_and_dataloader_workers(run: Run) -> None:
     run.record("fit", trainer, model)
     trainer.predict(model, loader(40, num_workers=1), return_predictions=False)
     run.record("predict", trainer, model)
+
+
+@case
+def case_predict_returns_what_one_process_returns(run: Run) -> None:
+    """``ddp``'s driver returns rank 0's share of the predictions; the reference is one process
+    (37 samples: the sampler pads rank 1's share with a repeated sample)."""
+    pl.seed_everything(17)
+    model = Classifier()
+    trainer = run.trainer(max_epochs=1)
+    trainer.fit(model, loader(shuffle=True))
+    run.record("fit", trainer, model)
+    if run.mode == "ddp":
+        one = run.trainer(strategy="auto", devices=1, callbacks=[])
+        predictions = one.predict(model, loader(37))
+    else:
+        predictions = trainer.predict(model, loader(37))
+    run.record_value("predict", predictions)
 
 
 @case
