@@ -224,6 +224,11 @@ def test_tuners_end_their_fit_with_the_tuner_exit_exception(namespace):
         f"{namespace}'s _call_and_handle_interrupt no longer handles {exit_type.__name__}; "
         "update _compat.tuner_exit_exception"
     )
+    handler = inspect.getsource(call._call_and_handle_interrupt)
+    assert "_call_teardown_hook(trainer)" in handler and "trainer._teardown()" in handler, (
+        f"{namespace}'s tuner-exit handling changed; update _compat.end_after_tuner_exit"
+    )
+    assert callable(call._call_teardown_hook)
     assert f"raise {exit_type.__name__}()" in inspect.getsource(finder), (
         f"{namespace}'s LR finder no longer raises {exit_type.__name__}; "
         "update _compat.tuner_exit_exception"

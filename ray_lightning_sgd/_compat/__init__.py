@@ -10,6 +10,7 @@ from ray_lightning_sgd._compat import ray, torch
 from ray_lightning_sgd._compat.lightning import (
     ConfigureLauncher,
     committed_metrics,
+    end_after_tuner_exit,
     launcher_interface,
     mark_loop_finished,
     set_logger_version,
@@ -24,6 +25,7 @@ __all__ = [
     "ConfigureLauncher",
     "bind_local_ray_to_loopback",
     "committed_metrics",
+    "end_after_tuner_exit",
     "launcher_interface",
     "mark_loop_finished",
     "ray",

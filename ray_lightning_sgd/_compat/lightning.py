@@ -101,6 +101,9 @@ def val_check_view(should_check: bool) -> Any:
 
 #: Where each namespace keeps the exception its tuners end a ``fit`` with.
 _TUNER_EXIT = ("{namespace}.utilities.exceptions", "_TunerExitException")
+#: Where Lightning's entry points handle it, and the teardown they call then.
+_CALL_MODULE = "{namespace}.trainer.call"
+_TEARDOWN_HOOK = "_call_teardown_hook"
 
 
 def tuner_exit_exception(namespace: str) -> type[BaseException]:
@@ -109,3 +112,14 @@ def tuner_exit_exception(namespace: str) -> type[BaseException]:
     module = importlib.import_module(_TUNER_EXIT[0].format(namespace=namespace))
     cls: type[BaseException] = getattr(module, _TUNER_EXIT[1])
     return cls
+
+
+def end_after_tuner_exit(trainer: Any, namespace: str) -> None:
+    """Runs on each worker. What Lightning's ``_call_and_handle_interrupt`` does when a tuner ends
+    the call: the teardown hooks, the Trainer's own teardown, and a finished state. (On a worker
+    the launcher calls the Trainer's ``_fit_impl`` directly, outside that handler.)"""
+    call = importlib.import_module(_CALL_MODULE.format(namespace=namespace))
+    getattr(call, _TEARDOWN_HOOK)(trainer)
+    trainer._teardown()
+    trainer.state.status = type(trainer.state.status).FINISHED
+    trainer.state.stage = None

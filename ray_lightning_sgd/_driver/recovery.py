@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -34,9 +33,6 @@ def recover_results_in_driver(
 ) -> Any:
     """Driver side: leaves the Trainer, the model and the call's ``datamodule`` with what rank 0's
     hold, as a ``ddp`` run's driver (rank 0) holds them; returns the call's result.
-
-    A tuner's end (LR or batch size finder) raises the tuner's exception again afterwards, for
-    Lightning to end the call as it does in one process.
     """
     rank_zero = outputs[0].rank_zero
     if rank_zero is None:
@@ -58,7 +54,15 @@ def recover_results_in_driver(
     for callback in callbacks_of(trainer):
         state = rank_zero.callback_states.get(callback.state_key)
         if state and id(callback) not in restored:
+            if getattr(callback, "dirpath", False) is None and state.get("dirpath") is not None:
+                # a ModelCheckpoint resolves its directory in setup, which ran on the workers
+                # only; it restores its paths and scores only into the same directory
+                callback.dirpath = state["dirpath"]  # type: ignore[attr-defined]
             callback.load_state_dict(state)
+    if datamodule is not None:
+        # as Lightning attaches it in the call, which ran on the workers
+        trainer.datamodule = datamodule  # type: ignore[attr-defined]
+        datamodule.trainer = trainer
     for target, source in (
         (trainer.callback_metrics, rank_zero.callback_metrics),
         (trainer.logged_metrics, rank_zero.logged_metrics),
@@ -66,8 +70,6 @@ def recover_results_in_driver(
     ):
         target.clear()
         target.update(source)
-    if outputs[0].tuner_exit:
-        raise _compat.tuner_exit_exception(_namespace(trainer))()
     if trainer.state.fn == PREDICTING:
         ranks = [out.predictions for out in outputs]
         if any(p is None for p in ranks):
@@ -84,16 +86,21 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
     ``<name>._orig_mod.<...>``; they load into the driver's uncompiled submodule. Other keys that
     do not match (layers a hook built or removed on the workers only) are named in a warning.
     """
-    own = model.state_dict().keys()
-    if state.keys() != own:
+    own = model.state_dict()
+    if state.keys() != own.keys():
         renamed = {key.replace("._orig_mod", ""): value for key, value in state.items()}
-        if renamed.keys() == own:
+        if renamed.keys() == own.keys():
             state = renamed
-    missing, unexpected = sorted(own - state.keys()), sorted(state.keys() - own)
-    if missing or unexpected:
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    reshaped = sorted(
+        key for key in state.keys() & own.keys() if own[key].shape != state[key].shape
+    )
+    state = {key: value for key, value in state.items() if key not in reshaped}
+    if missing or unexpected or reshaped:
         warnings.warn(
             "The weights rank 0 sent back do not fit the driver's model, so only the matching ones "
-            f"were loaded: missing {_few(missing)}, unexpected {_few(unexpected)}. A hook that "
+            f"were loaded: missing {_few(missing)}, unexpected {_few(unexpected)}, of another "
+            f"shape {_few(reshaped)}. A hook that "
             "ran on the workers only (configure_model, setup) changed the model's layers; build "
             "them in __init__, or load the weights from a checkpoint the run saved",
             RuntimeWarning,
@@ -111,94 +118,101 @@ def _few(keys: list[str]) -> str:
 
 
 def _restore_attributes(
-    trainer: pl.Trainer, model: Any, datamodule: Any, packed: Packed | None
+    trainer: pl.Trainer, model: Any, datamodule: Any, attributes: Attributes | None
 ) -> set[int]:
     """Driver side: gives the driver's callbacks, loggers, model and datamodule rank 0's
-    attributes (see :class:`~ray_lightning_sgd._worker.entry.Attributes`); returns the ``id`` of
-    each callback and logger restored this way."""
-    if packed is None:
+    attributes, and after ``fit`` rank 0's optimizers and LR schedulers (see
+    :class:`~ray_lightning_sgd._worker.entry.Attributes`); returns the ``id`` of each callback
+    and logger restored this way. What the driver cannot rebuild (it references an object the
+    driver lacks, or fails to unpickle here) is left out with a warning that names it."""
+    if attributes is None:
         return set()
-    shared = _Shared(shared_objects(trainer, model, datamodule))
-    try:
-        attributes: Attributes = unpack(packed, shared=shared)
-    except Exception as err:  # noqa: BLE001  (what unpickles on a worker only)
-        warnings.warn(
-            f"Rank 0's callbacks, loggers and model attributes could not be brought back ({err!r}); "
-            "callbacks get their state_dict() only",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return set()
-    if attributes.left_out:
-        warnings.warn(
-            "These cannot be pickled, so they stayed on the workers and the driver keeps its "
-            f"own (a callback still gets its state_dict()): {'; '.join(attributes.left_out)}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    shared = shared_objects(trainer, model, datamodule)
+    left_out = list(attributes.left_out)
+
+    def rebuilt(packed: Packed, what: str) -> tuple[bool, Any]:
+        lacking = _Shared(shared)
+        try:
+            value = unpack(packed, shared=lacking)
+        except Exception as err:  # noqa: BLE001  (what unpickles on a worker only)
+            left_out.append(f"{what} ({type(err).__name__}: {err})")
+            return False, None
+        if lacking.missing:
+            left_out.append(
+                f"{what} (it refers to {_few(sorted(lacking.missing))}, not on the driver)"
+            )
+            return False, None
+        return True, value
+
     restored: set[int] = set()
-    states: dict[str, list[Any]] = {}
+    states: dict[str, list[Packed]] = {}
     for key, state in attributes.callbacks:
         states.setdefault(key, []).append(state)
     for callback in callbacks_of(trainer):
         queue = states.get(callback.state_key)
         if queue:
-            _set_state(callback, queue.pop(0))
-            restored.add(id(callback))
-    for logger, state in zip(trainer.loggers, attributes.loggers, strict=False):
-        if state is not None:
-            _set_state(logger, state)
-            restored.add(id(logger))
-    vars(model).update(attributes.model)
-    if datamodule is not None and attributes.datamodule is not None:
-        vars(datamodule).update(attributes.datamodule)
+            ok, state = rebuilt(queue.pop(0), f"callback {callback.state_key}")
+            if ok and _set_state(callback, state):
+                restored.add(id(callback))
+    for index, (logger, packed) in enumerate(
+        zip(trainer.loggers, attributes.loggers, strict=False)
+    ):
+        if packed is not None:
+            ok, state = rebuilt(packed, f"logger {index} ({type(logger).__name__})")
+            if ok and _set_state(logger, state):
+                restored.add(id(logger))
+    for owner, target, packed_attributes in (
+        ("model", model, attributes.model),
+        ("datamodule", datamodule, attributes.datamodule),
+    ):
+        if target is None or packed_attributes is None:
+            continue
+        for key, packed in packed_attributes.items():
+            ok, value = rebuilt(packed, f"{owner}.{key}")
+            if ok:
+                vars(target)[key] = value
     if attributes.optimizers is not None:
-        # after fit: rank 0's optimizers and schedulers, over the driver's parameters
-        missing = sorted(
-            p.name
-            for optimizer in attributes.optimizers
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if isinstance(p, MissingShared)
+        ok, value = rebuilt(attributes.optimizers, "the optimizers and LR schedulers")
+        if ok:
+            # after fit: rank 0's optimizers and schedulers, over the driver's parameters
+            trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = value
+    if left_out:
+        warnings.warn(
+            "These stayed on the workers, and the driver keeps its own (a callback still gets its "
+            f"state_dict(); trainer.optimizers stays empty): {'; '.join(left_out)}",
+            RuntimeWarning,
+            stacklevel=3,
         )
-        if missing:
-            warnings.warn(
-                "trainer.optimizers stays empty on the driver, and its save_checkpoint() holds no "
-                f"optimizer state: the optimizers train parameters the driver's model lacks "
-                f"({_few(missing)}), built by a hook on the workers only. The run's own "
-                "checkpoints hold them",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        else:
-            trainer.strategy.optimizers = attributes.optimizers
-            trainer.strategy.lr_scheduler_configs = attributes.lr_scheduler_configs or []
     return restored
 
 
-@dataclass(frozen=True)
-class MissingShared:
-    """What stands, after the trip, for an object of rank 0 that the driver lacks (a parameter
-    of a layer that ``configure_model`` built on the workers only)."""
-
-    name: str
-
-
 class _Shared(dict[str, Any]):
-    def __missing__(self, key: str) -> MissingShared:
-        return MissingShared(key.partition(":")[2])
+    """The driver's shared objects; notes each name rank 0 referred to that the driver lacks
+    (a layer or parameter that ``configure_model`` built on the workers only)."""
+
+    def __init__(self, objects: dict[str, Any]) -> None:
+        super().__init__(objects)
+        self.missing: set[str] = set()
+
+    def __missing__(self, key: str) -> None:
+        self.missing.add(key.partition(":")[2] or key)
 
 
-def _set_state(obj: Any, state: Any) -> None:
+def _set_state(obj: Any, state: Any) -> bool:
+    """Gives ``obj`` the state ``__getstate__`` returned on rank 0; whether there was any."""
     setstate = getattr(obj, "__setstate__", None)
     if setstate is not None:
         setstate(state)
-    elif isinstance(state, dict):
+        return True
+    if isinstance(state, tuple) and len(state) == 2:  # (__dict__ or None, __slots__ values)
+        attributes, slots = state
+        for key, value in (slots or {}).items():
+            setattr(obj, key, value)
+        state = attributes
+    if isinstance(state, dict):
         vars(obj).update(state)
-
-
-def _namespace(trainer: pl.Trainer) -> str:
-    return type(trainer).__module__.split(".trainer")[0]
+        return True
+    return False
 
 
 def merge_predictions(ranks: Sequence[RankPredictions]) -> list[list[Any]]:

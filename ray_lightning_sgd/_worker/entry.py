@@ -86,7 +86,7 @@ class RankZeroResults(NamedTuple):
     #: :attr:`attributes` could not be packed for it.
     callback_states: dict[str, dict[str, Any]]
     #: Rank 0's objects as ``ddp``'s driver would hold them (see :func:`_attributes`).
-    attributes: Packed | None
+    attributes: Attributes
     callback_metrics: dict[str, Any]
     logged_metrics: dict[str, Any]
     progress_bar_metrics: dict[str, Any]
@@ -110,9 +110,6 @@ class WorkerOutput(NamedTuple):
     results: Any
     rank_zero: RankZeroResults | None
     predictions: RankPredictions | None
-    #: Whether a tuner (LR finder, batch size finder) ended the call, as Lightning's tuners do:
-    #: the driver raises the tuner's exception again after taking the results.
-    tuner_exit: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,12 +250,13 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     forwarder = next((cb for cb in ours if isinstance(cb, EventForwarderBase)), None)
     if trainer is not None:  # the driver polls a Trainer's call: send_to_driver works there
         open_channel(forwarder)
-    tuner_exit = False
     try:
         with output:
-            results = payload.function(*args, **kwargs)
-    except tuner_exits:
-        results, tuner_exit = None, True  # the tuner finished: the driver ends the call
+            try:
+                results = payload.function(*args, **kwargs)
+            except tuner_exits:  # a tuner finished: end the call as Lightning's handler does
+                _compat.end_after_tuner_exit(trainer, flavour.namespace)
+                results = None
     except BaseException:
         if forwarder is not None:
             forwarder.send_now()  # the driver's view gets the steps before the error
@@ -275,7 +273,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     if collected.rank_zero is not None:
         files = artifacts.collect(payload.artifacts, trainer, started)
         collected = collected._replace(rank_zero=collected.rank_zero._replace(files=files))
-    return collected._replace(tuner_exit=tuner_exit)
+    return collected
 
 
 @functools.cache
@@ -323,95 +321,89 @@ def _collect_results(
 
 
 class Attributes(NamedTuple):
-    """Rank 0's objects that the driver holds copies of, as ``ddp``'s driver (rank 0) holds them."""
+    """Rank 0's objects that the driver holds copies of, as ``ddp``'s driver (rank 0) holds them.
+
+    Each item is packed on its own (:func:`_pack_item`), so that one the driver cannot rebuild
+    costs only itself; references to the Trainer, its strategy and model, the datamodule, a layer
+    or parameter of the model, a callback or a logger travel by name (:func:`shared_objects`).
+    """
 
     #: Each callback's ``state_key`` and its attributes (``__getstate__()``): all its state,
     #: ``state_dict()`` or not (a checkpoint's current score, an LR finder's result).
-    callbacks: list[tuple[str, Any]]
-    #: Each logger's attributes (a CSV logger's open writer appends to the fit's file).
-    loggers: list[Any]
+    callbacks: list[tuple[str, Packed]]
+    #: Each logger's attributes, or None (a CSV logger's writer appends to the fit's file).
+    loggers: list[Packed | None]
     #: The model's and the datamodule's public attributes (and hyperparameters), set on rank 0
     #: (an LR finder's ``lr``, a batch size finder's ``batch_size``).
-    model: dict[str, Any]
-    datamodule: dict[str, Any] | None
-    #: After ``fit``: the optimizers and LR scheduler configs, over the driver's parameters
-    #: (``trainer.optimizers`` and the driver's ``save_checkpoint`` hold them, as under ``ddp``).
-    optimizers: list[Any] | None
-    lr_scheduler_configs: list[Any] | None
+    model: dict[str, Packed]
+    datamodule: dict[str, Packed] | None
+    #: After ``fit``: the optimizers and LR scheduler configs together, over the driver's
+    #: parameters (``trainer.optimizers`` and the driver's ``save_checkpoint`` hold them).
+    optimizers: Packed | None
     #: What could not be pickled and stayed on the workers (the driver warns, naming each).
     left_out: list[str]
 
 
-def _attributes(trainer: pl.Trainer) -> Packed | None:
-    """Runs on rank 0. Packs :class:`Attributes`; references to the Trainer, its strategy, the
-    model or a submodule of it travel by name and become the driver's own. What cannot be
-    pickled is left out, each callback or logger on its own (the driver warns), so a callback
-    that holds an open file still returns its ``state_dict()``."""
+def _attributes(trainer: pl.Trainer) -> Attributes:
+    """Runs on rank 0. Packs :class:`Attributes`; what cannot be pickled is left out and named."""
     model = trainer.lightning_module
     datamodule = getattr(trainer, "datamodule", None)
     shared = {id(obj): name for name, obj in shared_objects(trainer, model, datamodule).items()}
-    callbacks = [(cb.state_key, cb.__getstate__()) for cb in callbacks_of(trainer)]
-    loggers = [logger.__getstate__() for logger in trainer.loggers]
-    fitted = trainer.state.fn == FITTING
-    attributes = Attributes(
-        callbacks,
-        loggers,
-        public_attributes(model),
-        None if datamodule is None else public_attributes(datamodule),
-        list(trainer.optimizers) if fitted else None,
-        list(trainer.lr_scheduler_configs) if fitted else None,
-        [],
-    )
-    try:
-        return pack(attributes, shared=shared, cpu=True)
-    except Exception:  # noqa: BLE001  (what fails to pickle is a user's object: leave it out)
-        pass
     left_out: list[str] = []
 
-    def keep(value: Any, what: str) -> bool:
+    def item(value: Any, what: str) -> Packed | None:
         try:
-            pack(value, shared=shared, cpu=True)
-        except Exception as err:  # noqa: BLE001
+            return pack(value, shared=shared, cpu=True)
+        except Exception as err:  # noqa: BLE001  (a user's object that cannot be pickled)
             left_out.append(f"{what} ({type(err).__name__}: {err})")
-            return False
-        return True
-
-    def kept(attrs: dict[str, Any] | None, owner: str) -> dict[str, Any] | None:
-        if attrs is None:
             return None
-        return {k: v for k, v in attrs.items() if keep(v, f"{owner}.{k}")}
 
-    packed = pack(
-        Attributes(
-            [(key, state) for key, state in callbacks if keep(state, f"callback {key}")],
-            [
-                state if keep(state, f"logger {type(logger).__name__}") else None
-                for logger, state in zip(trainer.loggers, loggers, strict=True)
-            ],
-            kept(attributes.model, "model") or {},
-            kept(attributes.datamodule, "datamodule"),
-            attributes.optimizers if keep(attributes.optimizers, "the optimizers") else None,
-            attributes.lr_scheduler_configs
-            if keep(attributes.lr_scheduler_configs, "the LR schedulers")
-            else None,
-            left_out,
+    def items(attributes: dict[str, Any], owner: str) -> dict[str, Packed]:
+        packed = {key: item(value, f"{owner}.{key}") for key, value in attributes.items()}
+        return {key: value for key, value in packed.items() if value is not None}
+
+    callbacks = [
+        (cb.state_key, item(cb.__getstate__(), f"callback {cb.state_key}"))
+        for cb in callbacks_of(trainer)
+    ]
+    fitted = trainer.state.fn == FITTING
+    return Attributes(
+        callbacks=[(key, state) for key, state in callbacks if state is not None],
+        loggers=[
+            item(logger.__getstate__(), f"logger {type(logger).__name__}")
+            for logger in trainer.loggers
+        ],
+        model=items(public_attributes(model), "model"),
+        datamodule=None
+        if datamodule is None
+        else items(public_attributes(datamodule), "datamodule"),
+        optimizers=(
+            item((list(trainer.optimizers), list(trainer.lr_scheduler_configs)), "the optimizers")
+            if fitted
+            else None
         ),
-        shared=shared,
-        cpu=True,
+        left_out=left_out,
     )
-    return packed
 
 
 def shared_objects(trainer: Any, model: Any, datamodule: Any) -> dict[str, Any]:
     """The objects that both the driver and rank 0 hold, by the name each travels under
     (:func:`~ray_lightning_sgd._serialization.pack`'s ``shared``): a reference to one of them
     comes back as the driver's own."""
-    names = {"trainer": trainer, "strategy": trainer.strategy}
+    names = {"trainer": trainer, "strategy": trainer.strategy, "module:": model}
+    # DDP's wrapper on a worker; the model itself on the driver
+    names["wrapped model"] = getattr(trainer.strategy, "model", None) or model
     if datamodule is not None:
         names["datamodule"] = datamodule
+    keys = [cb.state_key for cb in callbacks_of(trainer)]
+    for callback in callbacks_of(trainer):
+        if keys.count(callback.state_key) == 1:
+            names[f"callback:{callback.state_key}"] = callback
+    for index, logger in enumerate(trainer.loggers):
+        names[f"logger:{index}"] = logger
     # a submodule compiled on the workers only (configure_model) has the driver's names
     for name, module in model.named_modules():
-        names[f"module:{name.replace('._orig_mod', '')}"] = module
+        names.setdefault(f"module:{name.replace('._orig_mod', '')}", module)
     for name, parameter in model.named_parameters():
         names[f"parameter:{name.replace('._orig_mod', '')}"] = parameter
     return names

@@ -159,6 +159,20 @@ def snapshot(trainer: Any, model: Any, result: Any, root: Path) -> dict[str, Any
             cb.state_key: cb.state_dict() for cb in trainer.callbacks if _not_a_bar(cb, trainer)
         },
         "optimizers": [opt.state_dict() for opt in trainer.optimizers],
+        # the driver's own objects, not copies: what its optimizers train, what it attached
+        "optimizers_train_the_model": all(
+            any(p is q for q in model.parameters())
+            for opt in trainer.optimizers
+            for group in opt.param_groups
+            for p in group["params"]
+        ),
+        "schedulers_step_the_optimizers": all(
+            any(config.scheduler.optimizer is opt for opt in trainer.optimizers)
+            for config in trainer.lr_scheduler_configs
+        ),
+        "datamodule": None
+        if getattr(trainer, "datamodule", None) is None
+        else {k: v for k, v in vars(trainer.datamodule).items() if not k.startswith("_")},
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "files": files_under(root),
     }

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from tests.parity.cases import CASES, Classifier, Run, assert_same, loader
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "ray_lightning_sgd"
 #: How long the whole reference may take (it takes about a minute on 2 cores).
 REFERENCE_TIMEOUT_S = 420
 
@@ -78,7 +80,11 @@ KNOWN: dict[tuple[str, str, str], str] = {}
 @pytest.mark.parametrize("name", list(CASES))
 def test_driver_holds_what_ddp_leaves(name: str, reference: Reference, ray_cluster, tmp_path):
     run = Run("ray", tmp_path / name)
-    CASES[name](run)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always", RuntimeWarning)
+        CASES[name](run)
+    ours = [str(w.message) for w in warned if w.filename.startswith(str(PACKAGE))]
+    assert not ours, f"the driver could not take everything back: {ours}"
     expected = reference.records(name)
     assert [label for label, _ in run.records] == [label for label, _ in expected]
     for (label, want), (_, got) in zip(expected, run.records, strict=True):
