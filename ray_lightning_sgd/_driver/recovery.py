@@ -177,9 +177,11 @@ def _restore_attributes(
             # after fit: rank 0's optimizers and schedulers, over the driver's parameters
             trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = value
     if left_out:
+        optimizers = any(item.startswith("the optimizers") for item in left_out)
         warnings.warn(
-            "These stayed on the workers, and the driver keeps its own (a callback still gets its "
-            f"state_dict(); trainer.optimizers stays empty): {'; '.join(left_out)}",
+            f"These stayed on the workers, and the driver keeps its own: {'; '.join(left_out)}. "
+            "A callback among them still gets its state_dict()"
+            + ("; trainer.optimizers stays empty on the driver" if optimizers else ""),
             RuntimeWarning,
             stacklevel=3,
         )
