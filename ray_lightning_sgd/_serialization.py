@@ -14,7 +14,8 @@ both sides hold (a Trainer, its model) can travel by name instead (``shared``): 
 puts its own object of that name in their place.
 
 Anything else (GPU, sparse or quantized tensors, tensor subclasses, tensors with Python attributes)
-falls back to torch's own pickling, unchanged.
+falls back to torch's own pickling, unchanged; with ``cpu=True`` plain GPU tensors travel as CPU
+tensors first.
 """
 
 from __future__ import annotations

@@ -220,11 +220,11 @@ def test_tuners_end_their_fit_with_the_tuner_exit_exception(namespace):
     exit_type = _compat.tuner_exit_exception(namespace)
     call = importlib.import_module(f"{namespace}.trainer.call")
     finder = importlib.import_module(f"{namespace}.callbacks.lr_finder")
-    assert f"except {exit_type.__name__}" in inspect.getsource(call._call_and_handle_interrupt), (
+    handler = inspect.getsource(call._call_and_handle_interrupt)
+    assert f"except {exit_type.__name__}" in handler, (
         f"{namespace}'s _call_and_handle_interrupt no longer handles {exit_type.__name__}; "
         "update _compat.tuner_exit_exception"
     )
-    handler = inspect.getsource(call._call_and_handle_interrupt)
     assert "_call_teardown_hook(trainer)" in handler and "trainer._teardown()" in handler, (
         f"{namespace}'s tuner-exit handling changed; update _compat.end_after_tuner_exit"
     )

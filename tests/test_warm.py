@@ -171,12 +171,13 @@ def _objects_of_finished_calls() -> dict[str, int]:
     try:
         names = [type(o).__name__ for o in gc.get_objects()]
     finally:
-        gc.freeze() if frozen else None
+        if frozen:
+            gc.freeze()
     return {name: names.count(name) for name in ("Trainer", "TinyModel")}
 
 
 def test_idle_workers_keep_nothing_of_a_finished_call(ray_cluster):
-    for _ in range(2):  # the first release freezes what the imports built; the second must not
+    for _ in range(2):  # the first call freezes what the imports built, none of its own objects
         _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(), loader())
         [idle] = pool._idle
         left = idle.executor.run(_objects_of_finished_calls)

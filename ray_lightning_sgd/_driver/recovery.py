@@ -110,23 +110,20 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
 
 
 def _few(keys: list[str]) -> str:
-    return (
-        "none"
-        if not keys
-        else ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" * (len(keys) > 5))
-    )
+    if not keys:
+        return "none"
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return ", ".join(keys[:5]) + more
 
 
 def _restore_attributes(
-    trainer: pl.Trainer, model: Any, datamodule: Any, attributes: Attributes | None
+    trainer: pl.Trainer, model: Any, datamodule: Any, attributes: Attributes
 ) -> set[int]:
     """Driver side: gives the driver's callbacks, loggers, model and datamodule rank 0's
     attributes, and after ``fit`` rank 0's optimizers and LR schedulers (see
     :class:`~ray_lightning_sgd._worker.entry.Attributes`); returns the ``id`` of each callback
     and logger restored this way. What the driver cannot rebuild (it references an object the
     driver lacks, or fails to unpickle here) is left out with a warning that names it."""
-    if attributes is None:
-        return set()
     shared = shared_objects(trainer, model, datamodule)
     left_out = list(attributes.left_out)
 

@@ -194,16 +194,8 @@ def _shut_down(idle: list[_Idle], session: tuple[str, str] | None) -> None:
 
 
 def _collect_garbage() -> None:
-    """Runs on each worker. Frees what the last call left in reference cycles.
-
-    A full collection walks every object the process tracks, some 400,000 once Lightning is
-    imported (0.2 s here), while the next call waits for it. So after the first call's collection
-    the survivors (modules, classes, what the imports built) are frozen, once: later collections
-    walk only what later calls made, and still free it all, as no later object is frozen.
-    """
+    """Runs on each worker. Frees what the last call left in reference cycles."""
     gc.collect()
-    if not gc.get_freeze_count():
-        gc.freeze()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 

@@ -289,7 +289,7 @@ def _collect_results(
     rank's predictions."""
     # every rank computes the state dict, in case metrics in the model synchronise in it; after
     # every call, as validate/test may change buffers or load a checkpoint's weights (ckpt_path)
-    model_state = to_cpu(trainer.lightning_module.state_dict())
+    model_state = trainer.lightning_module.state_dict()
     predictions = None
     if recorder is not None:
         if results is not None:
@@ -302,7 +302,7 @@ def _collect_results(
     progress_bar_metrics, callback_metrics, logged_metrics = _compat.committed_metrics(trainer)
     rank_zero = RankZeroResults(
         state=trainer.state,
-        model_state=pack(model_state),
+        model_state=pack(to_cpu(model_state)),
         # tensors go back on the CPU: the driver may have no GPU to unpickle them onto
         loop_state=to_cpu(loop_of(trainer).state_dict()),
         callback_states={
@@ -323,7 +323,7 @@ def _collect_results(
 class Attributes(NamedTuple):
     """Rank 0's objects that the driver holds copies of, as ``ddp``'s driver (rank 0) holds them.
 
-    Each item is packed on its own (:func:`_pack_item`), so that one the driver cannot rebuild
+    Each item is packed on its own (:func:`_attributes`), so that one the driver cannot rebuild
     costs only itself; references to the Trainer, its strategy and model, the datamodule, a layer
     or parameter of the model, a callback or a logger travel by name (:func:`shared_objects`).
     """

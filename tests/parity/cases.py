@@ -11,6 +11,7 @@ session and compares the records (:func:`assert_same`).
 from __future__ import annotations
 
 import csv
+import functools
 import itertools
 import math
 import os
@@ -102,13 +103,9 @@ def HookRecorder(base: type) -> Any:
     return _recorder_class(base)()
 
 
-_recorders: dict[type, type] = {}
-
-
+@functools.cache
 def _recorder_class(base: type) -> type:
     """A callback that records, on rank 0, every Callback hook called; its state is the list."""
-    if base in _recorders:
-        return _recorders[base]
     hooks = [
         name
         for name in dir(base)
@@ -132,9 +129,7 @@ def _recorder_class(base: type) -> type:
     namespace["__init__"] = init
     namespace["state_dict"] = lambda self: {"hooks": list(self.hooks)}
     namespace["load_state_dict"] = lambda self, state: setattr(self, "hooks", list(state["hooks"]))
-    recorder = type("HookRecorder", (base,), namespace)
-    _recorders[base] = recorder
-    return recorder
+    return type("HookRecorder", (base,), namespace)
 
 
 def snapshot(trainer: Any, model: Any, result: Any, root: Path) -> dict[str, Any]:
@@ -340,11 +335,6 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-def _run_calls(run: Run, trainer: Any, model: Any, *calls: tuple[str, Callable[[], Any]]) -> None:
-    for label, call in calls:
-        run.record(label, trainer, model, call())
-
-
 # ------------------------------------------------------------------------------------------------
 # the cases
 
@@ -363,14 +353,10 @@ def case_fit_validate_test_with_checkpoints_and_csv(run: Run) -> None:
             EarlyStopping(monitor="val_loss", patience=5),
         ],
     )
-    _run_calls(
-        run,
-        trainer,
-        model,
-        ("fit", lambda: trainer.fit(model, loader(shuffle=True), loader(32))),
-        ("validate", lambda: trainer.validate(model, loader(32))),
-        ("test", lambda: trainer.test(model, loader(32))),
-    )
+    trainer.fit(model, loader(shuffle=True), loader(32))
+    run.record("fit", trainer, model)
+    run.record("validate", trainer, model, trainer.validate(model, loader(32)))
+    run.record("test", trainer, model, trainer.test(model, loader(32)))
 
 
 @case
