@@ -51,7 +51,9 @@ MODES = (
 )
 #: Modes that run another with Lightning's TQDM progress bar on (on the driver for ray_sgd).
 WITH_BAR = {"ddp_bar": "ddp", "ray_sgd_bar": "ray_sgd_warm"}
-WORKERS = 2
+#: ``--gpu``: every mode on the GPUs of this machine (one worker per GPU), in bf16-mixed.
+GPU = os.environ.get("BENCH_GPU") == "1"
+WORKERS = max(1, torch.cuda.device_count()) if GPU else 2
 BATCH = 128
 FEATURES = 1024
 STEPS_PER_RANK = 100
@@ -95,6 +97,8 @@ class Timer(pl.Callback):
             self.first_batch = time.time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if GPU:
+            torch.cuda.synchronize()  # the step's kernels, not only their launch
         self.batch_ends.append(time.time())
 
     def on_fit_end(self, trainer, pl_module):
@@ -127,7 +131,8 @@ def _loader(ranks: int) -> DataLoader:
 def _trainer_kwargs(out: str) -> dict:
     return {
         "max_epochs": 1,
-        "accelerator": "cpu",
+        "accelerator": "gpu" if GPU else "cpu",
+        "precision": "bf16-mixed" if GPU else "32-true",
         "callbacks": [Timer(out)],
         "enable_progress_bar": False,
         "enable_model_summary": False,
@@ -143,7 +148,13 @@ def _init_ray() -> float:
 
     start = time.time()
     _compat.bind_local_ray_to_loopback()
-    ray.init(address="local", num_cpus=WORKERS, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=WORKERS,
+        num_gpus=WORKERS if GPU else 0,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     return time.time() - start
 
 
@@ -185,13 +196,13 @@ def run_mode(mode: str, out: str) -> None:
             from ray_lightning_sgd import RaySGDStrategy
 
             ray_init = _init_ray()
-            strategy: object = RaySGDStrategy(num_workers=WORKERS)
+            strategy: object = RaySGDStrategy(num_workers=WORKERS, use_gpu=GPU)
             if mode == "ray_sgd_warm":  # a first call starts the workers; the timed one reuses them
                 pl.seed_everything(0)
                 pl.Trainer(strategy=strategy, **_trainer_kwargs(out + ".untimed")).fit(
                     MLP(), _loader(WORKERS)
                 )
-                strategy = RaySGDStrategy(num_workers=WORKERS)
+                strategy = RaySGDStrategy(num_workers=WORKERS, use_gpu=GPU)
             ranks = WORKERS
         elif mode == "single":
             strategy, ranks = "auto", 1
@@ -348,7 +359,10 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--transfer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ship", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--gpu", action="store_true", help="run the modes on this machine's GPUs")
     args = parser.parse_args()
+    if args.gpu and not GPU:  # the module's settings (and every run's) read the variable
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "BENCH_GPU": "1"})
     if args.run:
         return run_mode(args.run, args.out)
     if args.transfer:
@@ -406,7 +420,8 @@ def _print_table(medians, repeats, load_before, load_after) -> None:
         ("worker_mb", "worker MB", 0),
     ]
     print(
-        f"\n{WORKERS} workers, {sum(p.numel() for p in MLP().parameters()) / 1e6:.1f}M-parameter "
+        f"\n{WORKERS} workers{f' on GPUs ({torch.cuda.get_device_name()}), bf16-mixed' if GPU else ''}"
+        f", {sum(p.numel() for p in MLP().parameters()) / 1e6:.1f}M-parameter "
         f"MLP, batch {BATCH}, {STEPS_PER_RANK} steps per rank, 1 thread per worker; medians of "
         f"{repeats} fresh-process runs; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after; (x) = ratio to Lightning ddp\n"

@@ -20,6 +20,7 @@ from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
 from ray_lightning_sgd._driver.strategy import RaySGDStrategyBase
 from ray_lightning_sgd._worker.environment import RayEnvironmentBase
+from ray_lightning_sgd._worker.hardware import WorkerPrecisionBase
 from ray_lightning_sgd._worker.tune import TuneReportCallbackBase
 
 FLAVOUR = Flavour.load("lightning.pytorch")
@@ -30,11 +31,13 @@ if TYPE_CHECKING:
     _Launcher = object
     _DDPStrategy = object
     _Callback = object
+    _Precision = object
 else:
     _ClusterEnvironment = FLAVOUR.cluster_environment
     _Launcher = FLAVOUR.launcher_interface
     _DDPStrategy = FLAVOUR.ddp_strategy
     _Callback = FLAVOUR.callback
+    _Precision = FLAVOUR.plugins.Precision
 
 
 class RayEnvironment(RayEnvironmentBase, _ClusterEnvironment):
@@ -45,15 +48,27 @@ class RayLauncher(RayLauncherBase, _Launcher):
     __doc__ = RayLauncherBase.__doc__
 
 
+class WorkerPrecision(WorkerPrecisionBase, _Precision):
+    __doc__ = WorkerPrecisionBase.__doc__
+
+
 class RaySGDStrategy(RaySGDStrategyBase, _DDPStrategy):
     __doc__ = RaySGDStrategyBase.__doc__
     flavour = FLAVOUR
     environment_class = RayEnvironment
     launcher_class = RayLauncher
+    precision_class = WorkerPrecision
 
 
 class TuneReportCallback(TuneReportCallbackBase, _Callback):
     __doc__ = TuneReportCallbackBase.__doc__
 
 
-__all__ = ["FLAVOUR", "RayEnvironment", "RayLauncher", "RaySGDStrategy", "TuneReportCallback"]
+__all__ = [
+    "FLAVOUR",
+    "RayEnvironment",
+    "RayLauncher",
+    "RaySGDStrategy",
+    "TuneReportCallback",
+    "WorkerPrecision",
+]

@@ -17,9 +17,10 @@ from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd.worker_group import NAME_PREFIX
 
 # two CPUs for two workers, and GPUs that this machine does not have: Ray lets a node declare
-# them, which is enough to test how GPUs are assigned without running CUDA
+# them, which is enough to test how GPUs are assigned without running CUDA; on a machine with
+# CUDA, its real GPUs (tests/test_gpu.py trains on them)
 CLUSTER_CPUS = 2
-CLUSTER_FAKE_GPUS = max(2, torch.cuda.device_count())
+CLUSTER_FAKE_GPUS = torch.cuda.device_count() or 2
 
 
 def our_deprecations_as_errors() -> str:

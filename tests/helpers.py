@@ -178,3 +178,22 @@ class EpochEndCollectives(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class PrecisionProbe(TinyModel):
+    """Notes, inside ``training_step`` on each rank, what it computes in: the output's and the
+    weights' dtypes, the device, the process group's backend and the CUDA generator's seed (rank
+    0's notes come back to the driver as a public attribute)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        on_gpu = self.device.type == "cuda"
+        self.seen = {
+            "output": str(logits.dtype),
+            "weights": str(self.net[0].weight.dtype),
+            "device": self.device.type,
+            "backend": torch.distributed.get_backend(),
+            "cuda_seed": torch.cuda.initial_seed() if on_gpu else None,
+        }
+        return nn.functional.cross_entropy(logits.float(), y)

@@ -233,3 +233,34 @@ def test_tuners_end_their_fit_with_the_tuner_exit_exception(namespace):
         f"{namespace}'s LR finder no longer raises {exit_type.__name__}; "
         "update _compat.tuner_exit_exception"
     )
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_connector_reads_the_strategys_precision_while_parsing_the_arguments(namespace):
+    connectors = importlib.import_module(f"{namespace}.trainer.connectors.accelerator_connector")
+    method = getattr(connectors._AcceleratorConnector, _compat.lightning._PARSE_METHOD, None)
+    assert method is not None, (
+        f"{namespace}'s _AcceleratorConnector._check_config_and_set_final_flags moved; update "
+        "_compat.trainer_arguments_being_parsed"
+    )
+    seen = []
+
+    class Probe:
+        @property
+        def _precision_plugin(self):
+            seen.append(_compat.trainer_arguments_being_parsed())
+            return None
+
+    probe = Probe()
+    assert probe._precision_plugin is None and seen == [None], "read outside the parse: nothing"
+    pl = importlib.import_module(namespace)
+    strategy = (rls_pl if namespace == "pytorch_lightning" else rls_lightning).RaySGDStrategy
+    trainer_strategy = strategy(num_workers=1)
+    pl.Trainer(strategy=trainer_strategy, precision="bf16", logger=False)
+    assert trainer_strategy.precision_request.precision == "bf16-mixed", (
+        f"{namespace}'s accelerator connector no longer reads strategy._precision_plugin in "
+        "_check_config_and_set_final_flags after setting _precision_flag, _precision_plugin_flag "
+        "and _accelerator_flag; update _compat.trainer_arguments_being_parsed"
+    )
+    assert trainer_strategy._precision_request is not None
+    assert trainer_strategy.precision_request.accelerator == "auto"

@@ -1,40 +1,164 @@
-"""A real NCCL run on CUDA GPUs; skipped on machines without them."""
+"""Real CUDA runs; skipped on machines without a GPU (``bash tests/gpu/run.sh`` runs them).
+
+With one GPU, NCCL runs one worker (NCCL runs one rank per GPU) and two workers share the GPU over
+gloo; with two or more, two workers train over NCCL.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import pytorch_lightning as pl
+import ray
 import torch
 
-from ray_lightning_sgd import RaySGDStrategy
+from ray_lightning_sgd import RaySGDStrategy, TorchConfig
+from ray_lightning_sgd._executor import pool
+from ray_lightning_sgd.exceptions import ConfigurationError
 from tests.conftest import assert_only_idle_workers_left
-from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+from tests.helpers import PrecisionProbe, loader, quiet_trainer_kwargs
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+GPUS = torch.cuda.device_count()
 
-class DeviceRecorder(TinyModel):
+
+class Ballast(PrecisionProbe):
+    """Holds 256 MB on the GPU while it trains."""
+
     def on_train_start(self) -> None:
-        assert self.device.type == "cuda", self.device
-        assert torch.distributed.get_backend() == "nccl"
+        self._ballast = torch.empty(64 * 2**20, device=self.device)
+
+
+def _fit(
+    strategy: RaySGDStrategy, model: PrecisionProbe | None = None, **kwargs
+) -> tuple[pl.Trainer, PrecisionProbe]:
+    pl.seed_everything(0)
+    model = PrecisionProbe() if model is None else model
+    trainer = pl.Trainer(
+        strategy=strategy,
+        max_epochs=1,
+        enable_checkpointing=False,
+        **kwargs,
+        **quiet_trainer_kwargs(),
+    )
+    trainer.fit(model, loader())
+    return trainer, model
 
 
 def test_fit_with_nccl_on_gpus(ray_cluster):
-    workers = min(2, torch.cuda.device_count())
-    pl.seed_everything(0)
-    model = DeviceRecorder()
+    workers = min(2, GPUS)
+    trainer, model = _fit(RaySGDStrategy(num_workers=workers, use_gpu=True))
+    assert trainer.global_step == 96 // 8 // workers
+    assert model.seen["device"] == "cuda"
+    assert model.seen["backend"] == "nccl"
+    assert model.seen["cuda_seed"] == 0  # seed_everything(0) on the driver
+    # torch.manual_seed on the driver seeds the workers' CUDA generators too, as on one machine
+    # (without seed_everything, Lightning does not seed the workers itself)
+    torch.manual_seed(5)
+    model = PrecisionProbe()
     trainer = pl.Trainer(
         strategy=RaySGDStrategy(num_workers=workers, use_gpu=True),
         max_epochs=1,
+        limit_train_batches=1,
         enable_checkpointing=False,
         **quiet_trainer_kwargs(),
     )
     trainer.fit(model, loader())
-    assert trainer.global_step == 96 // 8 // workers
-    assert all(p.device.type == "cpu" for p in model.parameters()), (
-        "weights come back to the driver"
+    assert model.seen["cuda_seed"] == 5
+    assert all(p.device.type == "cpu" for p in model.parameters()), "weights come back to the CPU"
+
+
+def test_two_workers_share_one_gpu_over_gloo_and_nccl_refuses_it(ray_cluster):
+    shared = {"CPU": 1, "GPU": 0.5}
+    trainer, model = _fit(
+        RaySGDStrategy(
+            num_workers=2,
+            resources_per_worker=shared,
+            backend_config=TorchConfig(backend="gloo"),
+            reuse_workers=False,
+        )
     )
+    assert trainer.global_step == 96 // 8 // 2
+    assert (model.seen["device"], model.seen["backend"]) == ("cuda", "gloo")
+    if GPUS == 1:  # Ray places both halves on the one GPU: NCCL cannot run them
+        with pytest.raises(ConfigurationError, match=r"share GPU 0.*TorchConfig\(backend='gloo'\)"):
+            _fit(RaySGDStrategy(num_workers=2, resources_per_worker=shared, reuse_workers=False))
+
+
+@pytest.mark.parametrize(
+    ("precision", "output"), [("16-mixed", "torch.float16"), ("bf16-mixed", "torch.bfloat16")]
+)
+def test_mixed_precision_autocasts_on_the_gpus(ray_cluster, precision, output):
+    trainer, model = _fit(RaySGDStrategy(num_workers=1, use_gpu=True), precision=precision)
+    assert model.seen["output"] == output
+    assert model.seen["weights"] == "torch.float32"
+    assert trainer.precision == precision
+
+
+_HIDDEN_DRIVER = """
+import json, sys, warnings
+import pytorch_lightning as pl, ray, torch
+from ray_lightning_sgd import RaySGDStrategy
+from tests.helpers import PrecisionProbe, loader, quiet_trainer_kwargs
+assert not torch.cuda.is_available()
+ray.init(address=sys.argv[1])
+warnings.simplefilter("always")
+pl.seed_everything(0)
+model = PrecisionProbe()
+with warnings.catch_warnings(record=True) as caught:
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=1, use_gpu=True, reuse_workers=False),
+                         precision="16-mixed", max_epochs=1, enable_checkpointing=False,
+                         **quiet_trainer_kwargs())
+before = {k: v.clone() for k, v in model.state_dict().items()}
+trainer.fit(model, loader())
+changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+print(json.dumps({"precision": trainer.precision, "seen": model.seen, "changed": changed,
+                  "devices": sorted({str(p.device) for p in model.parameters()}),
+                  "cpu_warning": any("not supported on CPU" in str(w.message) for w in caught)}))
+"""
+
+
+def test_a_driver_without_cuda_trains_gpu_workers_in_the_precision_asked_for(free_cluster):
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
+    }
+    address = ray.get_runtime_context().gcs_address
+    result = subprocess.run(
+        [sys.executable, "-c", _HIDDEN_DRIVER, address],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["precision"] == "16-mixed"
+    assert report["seen"]["output"] == "torch.float16", report
+    assert report["seen"]["device"] == "cuda"
+    assert report["changed"] and report["devices"] == ["cpu"]
+    assert not report["cpu_warning"]
+
+
+def _cuda_memory() -> tuple[int, int]:
+    """Runs on each worker. The bytes its tensors hold on the GPU, and its allocator keeps."""
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def test_warm_workers_free_the_gpu_memory_of_a_finished_call(ray_cluster):
+    pool.shutdown()
+    strategy = RaySGDStrategy(num_workers=1, use_gpu=True)
+    _fit(strategy, Ballast())
+    [idle] = pool._idle
+    [(allocated, reserved)] = idle.executor.run(_cuda_memory)
+    # what may stay: cuBLAS's workspace (a few MB), never the call's model or its 256 MB
+    assert allocated < 32 * 2**20, f"{allocated} bytes of a finished call still on the GPU"
+    assert reserved < 64 * 2**20, f"{reserved} bytes cached by the allocator after the call"
+    _fit(strategy, Ballast())  # and the warm workers train again
     assert assert_only_idle_workers_left() == 1

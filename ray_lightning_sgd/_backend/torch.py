@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from ray_lightning_sgd._backend.base import Backend, BackendConfig
 from ray_lightning_sgd._worker_group.group import WorkerGroup
-from ray_lightning_sgd._worker_group.ranks import WorkerRank
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, WorkerRank
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class TorchBackend(Backend):
             raise TypeError(f"TorchBackend takes a TorchConfig, got {backend_config!r}")
         use_gpu = any(meta.gpu_ids for meta in worker_group.metadata)
         backend = backend_config.resolve_backend(use_gpu)
+        if backend == "nccl":
+            check_one_rank_per_gpu(worker_group.metadata)
         # every worker imports torch now, at once; else each would on its first call, one by one
         worker_group.execute(_imported)
         address, port = worker_group.execute_single(0, _rendezvous_address)
@@ -124,6 +127,28 @@ class TorchBackend(Backend):
             )
 
 
+def check_one_rank_per_gpu(metadata: Sequence[WorkerMetadata]) -> None:
+    """Raises if two workers share a GPU, which NCCL refuses (with an opaque message).
+
+    Workers that ask for a fraction of a GPU (``resources_per_worker={"GPU": 0.5}``) may be placed
+    on the same one.
+    """
+    holders: dict[tuple[str, str], list[int]] = {}
+    for index, meta in enumerate(metadata):
+        for gpu in meta.gpu_ids:
+            holders.setdefault((meta.node_id, gpu), []).append(index)
+    for (_node_id, gpu), workers in holders.items():
+        if len(workers) < 2:
+            continue
+        node = metadata[workers[0]].node_ip
+        raise ConfigurationError(
+            f"workers {', '.join(map(str, workers))} share GPU {gpu} on node {node} (each asked "
+            "for a fraction of a GPU), and NCCL runs one rank per GPU; give each worker a whole "
+            "GPU (use_gpu=True, or resources_per_worker={'GPU': 1}), or keep the fractions and "
+            "use gloo: backend_config=TorchConfig(backend='gloo')"
+        )
+
+
 def _imported() -> None:
     """Runs on each worker. Nothing: unpickling it imports this module, and torch with it."""
 
@@ -156,8 +181,14 @@ def _init_process_group(
         LOCAL_WORLD_SIZE=str(rank.local_world_size),
         NODE_RANK=str(rank.node_rank),
     )
+    device_id = None
     if backend == "nccl" and device_index is not None:
+        # a collective that fails or times out then raises (and ends the process) instead of
+        # blocking: the driver sees the worker die (the user's own setting wins)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(device_index)
+        # binds the group to this device: NCCL connects at once, not at the first collective
+        device_id = torch.device("cuda", device_index)
     url = "env://" if init_method == "env" else f"tcp://{address}:{port}"
     dist.init_process_group(
         backend=backend,
@@ -165,6 +196,7 @@ def _init_process_group(
         rank=rank.global_rank,
         world_size=rank.world_size,
         timeout=timedelta(seconds=timeout_s),
+        device_id=device_id,
     )
 
 

@@ -47,6 +47,8 @@ class Flavour:
     cluster_environment: type
     launcher_interface: type
     rank_zero_only: Any
+    #: The namespace's ``plugins`` module (its precision plugins).
+    plugins: Any
     #: What Lightning raises on a process that got SIGTERM (a ``SystemExit``).
     sigterm_exception: type[BaseException]
 
@@ -72,6 +74,7 @@ class Flavour:
             cluster_environment=fabric.plugins.environments.ClusterEnvironment,
             launcher_interface=launcher_interface(namespace),
             rank_zero_only=pl.utilities.rank_zero.rank_zero_only,
+            plugins=importlib.import_module(f"{namespace}.plugins"),
             sigterm_exception=exceptions.SIGTERMException,
         )
 

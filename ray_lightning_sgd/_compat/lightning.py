@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -123,3 +124,25 @@ def end_after_tuner_exit(trainer: Any, namespace: str) -> None:
     trainer._teardown()
     trainer.state.status = type(trainer.state.status).FINISHED
     trainer.state.stage = None
+
+
+#: The method of Lightning's accelerator connector that parses the Trainer's arguments. It reads
+#: the strategy's ``_precision_plugin`` right after it has stored the user's precision, precision
+#: plugin and accelerator, before it adapts them to the driver's machine.
+_PARSE_METHOD = "_check_config_and_set_final_flags"
+
+
+def trainer_arguments_being_parsed() -> tuple[Any, Any, Any] | None:
+    """Driver side: called by a strategy's ``_precision_plugin`` getter. When Lightning's
+    accelerator connector is the reader, parsing a Trainer's arguments, returns the precision, the
+    precision plugin and the accelerator the user passed, as the connector holds them then (the
+    precision in Lightning's unified form, ``"16-mixed"``); otherwise None."""
+    frame = sys._getframe(2)  # the getter's caller
+    if frame.f_code.co_name != _PARSE_METHOD:
+        return None
+    connector: Any = frame.f_locals["self"]
+    return (
+        connector._precision_flag,
+        connector._precision_plugin_flag,
+        connector._accelerator_flag,
+    )

@@ -10,6 +10,7 @@ from ray import cloudpickle
 from ray_lightning_sgd._driver.settings import LaunchSettings
 from ray_lightning_sgd._serialization import Packed, pack
 from ray_lightning_sgd._worker.entry import Payload
+from ray_lightning_sgd._worker.hardware import WorkerHardware, resolve_precision
 from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError
 
 if TYPE_CHECKING:
@@ -32,7 +33,18 @@ def check_trainer(trainer: pl.Trainer, strategy: LaunchSettings) -> None:
             "device per worker: remove devices and set "
             f"RaySGDStrategy(num_workers={trainer.num_devices})"
         )
-    if isinstance(accelerator, cuda) and not strategy.worker_group_config.use_gpu:
+    use_gpu = strategy.worker_group_config.use_gpu
+    request = strategy.precision_request
+    if use_gpu and request.accelerator == "cpu":
+        raise ConfigurationError(
+            "Trainer(accelerator='cpu') conflicts with RaySGDStrategy(use_gpu=True), which gives "
+            "each worker a GPU; remove accelerator (or pass 'auto') to train on the workers' GPUs, "
+            "or pass use_gpu=False to train on their CPUs"
+        )
+    if not use_gpu:
+        # CPU workers: a precision they cannot run is refused before any of them starts
+        resolve_precision(request, WorkerHardware("cpu"))
+    if isinstance(accelerator, cuda) and not use_gpu:
         warnings.warn(
             "The driver's Trainer chose the CUDA accelerator, but RaySGDStrategy(use_gpu=False) "
             "gives the workers no GPU, so they train on CPUs; pass use_gpu=True to give each "

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from ray_lightning_sgd._backend.torch import TorchConfig
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver.failure import FailureConfig
+from ray_lightning_sgd._worker.hardware import PrecisionRequest
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 
 
@@ -40,3 +41,7 @@ class LaunchSettings(Protocol):
     @property
     def driver_callbacks(self) -> list[Any]:
         """Callbacks that run on the driver."""
+
+    @property
+    def precision_request(self) -> PrecisionRequest:
+        """The precision the user asked the Trainer for."""

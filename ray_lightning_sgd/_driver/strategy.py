@@ -30,6 +30,7 @@ from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._worker.environment import RayEnvironmentBase
+from ray_lightning_sgd._worker.hardware import PrecisionRequest, WorkerPrecisionBase
 from ray_lightning_sgd._worker_group import cluster
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd.exceptions import ConfigurationError
@@ -107,6 +108,7 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
     flavour: ClassVar[Flavour]
     environment_class: ClassVar[type[RayEnvironmentBase]]
     launcher_class: ClassVar[type[RayLauncherBase]]
+    precision_class: ClassVar[type[WorkerPrecisionBase]]
 
     def __init__(
         self,
@@ -159,12 +161,45 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
         )
         self._backend_config = backend_config
         self._reuse_workers = reuse_workers
+        self._precision_request: PrecisionRequest | None = None
         super().__init__(
             cluster_environment=self.environment_class(num_workers),
             process_group_backend=backend_config.backend,
             timeout=timedelta(seconds=backend_config.timeout_s),
             **ddp_kwargs,
         )
+
+    # Lightning's accelerator connector reads this attribute while it parses the Trainer's
+    # arguments, right after it has the user's precision, and before it adapts the precision to
+    # the driver's machine (16-mixed becomes bf16-mixed on a driver without GPUs): the moment to
+    # keep what the user asked for, which each worker resolves for its own hardware
+    @property
+    def _precision_plugin(self) -> Any:
+        own = self.__dict__.get("_own_precision_plugin")
+        arguments = _compat.trainer_arguments_being_parsed()
+        if arguments is None:
+            return own
+        precision, plugin, accelerator = arguments
+        if not isinstance(accelerator, str):
+            accelerator = type(accelerator).__name__
+        self._precision_request = PrecisionRequest(str(precision), plugin or own, accelerator)
+        if own is None and plugin is None and self._worker_group_config.use_gpu:
+            # the driver keeps a stand-in: it names the precision, the GPU workers build the plugin
+            return self.precision_class(str(precision))
+        return own
+
+    @_precision_plugin.setter
+    def _precision_plugin(self, plugin: Any) -> None:
+        self.__dict__["_own_precision_plugin"] = plugin
+
+    @property
+    def precision_request(self) -> PrecisionRequest:
+        """The precision the user asked the Trainer for, which each worker resolves for its own
+        hardware (see :mod:`ray_lightning_sgd._worker.hardware`)."""
+        if self._precision_request is not None:
+            return self._precision_request
+        plugin = self.precision_plugin  # a strategy that no Trainer's connector parsed
+        return PrecisionRequest(str(getattr(plugin, "precision", "32-true")))
 
     @property
     def worker_group_config(self) -> WorkerGroupConfig:
@@ -302,6 +337,14 @@ def _resources(
             raise ConfigurationError(
                 f"use_gpu=True but resources_per_worker={dict(resources_per_worker)} asks for no "
                 "GPU; add 'GPU': 1 (or a fraction) to resources_per_worker"
+            )
+        gpus = resources_per_worker.get("GPU", 0)
+        if isinstance(gpus, (int, float)) and gpus > 1:
+            raise ConfigurationError(
+                f"resources_per_worker={dict(resources_per_worker)} gives each worker {gpus:g} "
+                "GPUs, but a worker is one Lightning DDP process, which trains on one device; "
+                "run one worker per GPU instead: RaySGDStrategy(num_workers=<number of GPUs>, "
+                "use_gpu=True)"
             )
         return dict(resources_per_worker)
     if isinstance(num_cpus_per_worker, bool) or not isinstance(num_cpus_per_worker, (int, float)):

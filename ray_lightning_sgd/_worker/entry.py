@@ -15,6 +15,7 @@ import importlib
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -30,6 +31,12 @@ from ray_lightning_sgd._serialization import Packed, pack, to_cpu, unpack
 from ray_lightning_sgd._worker import artifacts
 from ray_lightning_sgd._worker.environment import RayEnvironmentBase
 from ray_lightning_sgd._worker.events import EventForwarderBase, close_channel, open_channel
+from ray_lightning_sgd._worker.hardware import (
+    WorkerHardware,
+    make_plugin,
+    matches,
+    resolve_precision,
+)
 from ray_lightning_sgd._worker.output import OutputForwarder
 from ray_lightning_sgd._worker.progress import ProgressReporterBase
 from ray_lightning_sgd._worker.resume import ResumeCheckpointBase, ResumePoint, materialise
@@ -122,6 +129,9 @@ class GlobalState:
     python_rng: Any
     numpy_rng: Any
     torch_rng: Tensor
+    #: The seed of torch's default generator (``torch.manual_seed`` seeds every CUDA device with
+    #: it too): a worker seeds its CUDA devices with it.
+    torch_seed: int
     env: dict[str, str]
 
     @classmethod
@@ -134,6 +144,7 @@ class GlobalState:
             python_rng=random.getstate(),
             numpy_rng=np.random.get_state(),
             torch_rng=torch.get_rng_state(),
+            torch_seed=torch.initial_seed(),
             env={key: os.environ[key] for key in _INHERITED_ENV if key in os.environ},
         )
 
@@ -146,6 +157,10 @@ class GlobalState:
         random.setstate(self.python_rng)
         np.random.set_state(self.numpy_rng)
         torch.set_rng_state(self.torch_rng)
+        if torch.cuda.is_available():
+            # as a process of Lightning's ddp, which ran seed_everything itself: the CUDA
+            # generators start from the seed (the driver may have no GPU, or other ones)
+            torch.cuda.manual_seed_all(self.torch_seed)
         for key in _INHERITED_ENV:
             os.environ.pop(key, None)
         os.environ.update(self.env)
@@ -221,10 +236,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
         if not isinstance(environment, RayEnvironmentBase):
             raise TypeError(f"the Trainer's strategy has no RayEnvironment, but {environment!r}")
         flavour: Flavour = strategy.flavour  # type: ignore[attr-defined]
-        on_gpu = environment.device.type == "cuda"
-        if on_gpu != isinstance(strategy.accelerator, flavour.cuda_accelerator):
-            accelerator = flavour.cuda_accelerator if on_gpu else flavour.cpu_accelerator
-            strategy.accelerator = accelerator()
+        use_own_hardware(strategy, environment, flavour, global_rank)
         strategy.set_world_ranks()  # type: ignore[attr-defined]
         fitting = trainer.state.fn == FITTING
         tuner_exits = (_compat.tuner_exit_exception(flavour.namespace),)
@@ -274,6 +286,37 @@ def _run_payload(payload: Payload) -> WorkerOutput:
         files = artifacts.collect(payload.artifacts, trainer, started)
         collected = collected._replace(rank_zero=collected.rank_zero._replace(files=files))
     return collected
+
+
+def use_own_hardware(
+    strategy: Any, environment: RayEnvironmentBase, flavour: Flavour, global_rank: int
+) -> None:
+    """Runs on each worker. Gives the strategy this worker's accelerator, devices and the
+    precision plugin Lightning would pick on this machine for what the user asked for (the
+    driver's Trainer picked them for the driver's machine).
+
+    Raises:
+        ConfigurationError: This worker's device cannot train with the precision asked for.
+    """
+    device = environment.device
+    hardware = WorkerHardware.detect(device)
+    on_gpu = device.type == "cuda"
+    if on_gpu != isinstance(strategy.accelerator, flavour.cuda_accelerator):
+        accelerator = flavour.cuda_accelerator if on_gpu else flavour.cpu_accelerator
+        strategy.accelerator = accelerator()
+    # a node's devices, as Lightning's DDP lists them: the GPUs of the node's workers (the
+    # worker group made them visible to each), or one CPU per worker of the node
+    strategy.parallel_devices = (
+        [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        if on_gpu
+        else [device] * environment.local_world_size
+    )
+    request = strategy.precision_request
+    choice = resolve_precision(request, hardware)
+    if not matches(strategy.precision_plugin, choice, flavour.plugins):
+        strategy.precision_plugin = make_plugin(choice, request, flavour.plugins)
+        if choice.note and global_rank == 0:
+            warnings.warn(choice.note, stacklevel=2)
 
 
 @functools.cache
