@@ -61,7 +61,8 @@ def test_fit_with_nccl_on_gpus(ray_cluster):
     assert model.seen["backend"] == "nccl"
     assert model.seen["cuda_seed"] == 0  # seed_everything(0) on the driver
     # torch.manual_seed on the driver seeds the workers' CUDA generators too, as on one machine
-    # (without seed_everything, Lightning does not seed the workers itself)
+    # (without seed_everything, whose PL_GLOBAL_SEED makes Lightning reseed every process)
+    del os.environ["PL_GLOBAL_SEED"]
     torch.manual_seed(5)
     model = PrecisionProbe()
     trainer = pl.Trainer(
@@ -153,12 +154,13 @@ def _cuda_memory() -> tuple[int, int]:
 
 def test_warm_workers_free_the_gpu_memory_of_a_finished_call(ray_cluster):
     pool.shutdown()
-    strategy = RaySGDStrategy(num_workers=1, use_gpu=True)
-    _fit(strategy, Ballast())
+    _fit(RaySGDStrategy(num_workers=1, use_gpu=True), Ballast())
     [idle] = pool._idle
     [(allocated, reserved)] = idle.executor.run(_cuda_memory)
     # what may stay: cuBLAS's workspace (a few MB), never the call's model or its 256 MB
     assert allocated < 32 * 2**20, f"{allocated} bytes of a finished call still on the GPU"
     assert reserved < 64 * 2**20, f"{reserved} bytes cached by the allocator after the call"
-    _fit(strategy, Ballast())  # and the warm workers train again
+    # and the warm workers train again (a new strategy of equal settings: Lightning refuses a
+    # strategy whose GPU devices an earlier Trainer set)
+    _fit(RaySGDStrategy(num_workers=1, use_gpu=True), Ballast())
     assert assert_only_idle_workers_left() == 1
