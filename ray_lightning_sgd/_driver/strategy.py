@@ -69,9 +69,11 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
     Args:
         num_workers: Number of workers (training processes), each a Ray actor.
         num_cpus_per_worker: CPUs each worker reserves.
-        use_gpu: Give each worker one GPU (NCCL instead of gloo). The driver needs no GPU.
+        use_gpu: Give each worker one GPU (NCCL instead of gloo). The driver needs no GPU: each
+            worker resolves the Trainer's precision for its own device.
         resources_per_worker: Ray resources each worker reserves (``CPU``, ``GPU`` with fractions
-            allowed, custom resources); overrides ``num_cpus_per_worker`` and ``use_gpu``.
+            allowed, at most one), custom resources; overrides ``num_cpus_per_worker`` and
+            ``use_gpu``.
         placement_strategy: How the placement group spreads the workers over nodes: PACK, SPREAD,
             STRICT_PACK or STRICT_SPREAD.
         backend_config: The process group's backend, init method and timeout.
