@@ -44,11 +44,16 @@ from ray_lightning_sgd.worker_group import (
 
 if TYPE_CHECKING:
     from ray_lightning_sgd._executor.pool import shutdown as shutdown_workers
-    from ray_lightning_sgd.pytorch_lightning import RayEnvironment, RaySGDStrategy
+    from ray_lightning_sgd.pytorch_lightning import (
+        RayEnvironment,
+        RayFSDPStrategy,
+        RayModelParallelStrategy,
+        RaySGDStrategy,
+    )
     from ray_lightning_sgd.torch_backend import TorchBackend, TorchConfig
 
 #: The names that belong to a Lightning namespace, resolved on first use.
-_FLAVOURED = ("RayEnvironment", "RaySGDStrategy")
+_FLAVOURED = ("RayEnvironment", "RayFSDPStrategy", "RayModelParallelStrategy", "RaySGDStrategy")
 #: Names whose modules import torch, resolved on first use: the package itself stays light for
 #: the processes that only need its configs and exceptions.
 _LAZY = {
@@ -95,6 +100,8 @@ __all__ = [
     "BackendExecutor",
     "ConfigurationError",
     "RayEnvironment",
+    "RayFSDPStrategy",
+    "RayModelParallelStrategy",
     "RaySGDError",
     "RaySGDStrategy",
     "ResourcesUnavailableError",

@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING
 
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
-from ray_lightning_sgd._driver.strategy import RaySGDStrategyBase
+from ray_lightning_sgd._driver.strategy import (
+    RayFSDPStrategyBase,
+    RayModelParallelStrategyBase,
+    RaySGDStrategyBase,
+)
 from ray_lightning_sgd._worker.environment import RayEnvironmentBase
 from ray_lightning_sgd._worker.hardware import WorkerPrecisionBase
 from ray_lightning_sgd._worker.tune import TuneReportCallbackBase
@@ -30,12 +34,16 @@ if TYPE_CHECKING:
     _ClusterEnvironment = object
     _Launcher = object
     _DDPStrategy = object
+    _ModelParallelStrategy = object
+    _FSDPStrategy = object
     _Callback = object
     _Precision = object
 else:
     _ClusterEnvironment = FLAVOUR.cluster_environment
     _Launcher = FLAVOUR.launcher_interface
     _DDPStrategy = FLAVOUR.ddp_strategy
+    _ModelParallelStrategy = FLAVOUR.model_parallel_strategy
+    _FSDPStrategy = FLAVOUR.fsdp_strategy
     _Callback = FLAVOUR.callback
     _Precision = FLAVOUR.plugins.Precision
 
@@ -60,6 +68,22 @@ class RaySGDStrategy(RaySGDStrategyBase, _DDPStrategy):
     precision_class = WorkerPrecision
 
 
+class RayModelParallelStrategy(RayModelParallelStrategyBase, _ModelParallelStrategy):
+    __doc__ = RayModelParallelStrategyBase.__doc__
+    flavour = FLAVOUR
+    environment_class = RayEnvironment
+    launcher_class = RayLauncher
+    precision_class = WorkerPrecision
+
+
+class RayFSDPStrategy(RayFSDPStrategyBase, _FSDPStrategy):
+    __doc__ = RayFSDPStrategyBase.__doc__
+    flavour = FLAVOUR
+    environment_class = RayEnvironment
+    launcher_class = RayLauncher
+    precision_class = WorkerPrecision
+
+
 class TuneReportCallback(TuneReportCallbackBase, _Callback):
     __doc__ = TuneReportCallbackBase.__doc__
 
@@ -67,7 +91,9 @@ class TuneReportCallback(TuneReportCallbackBase, _Callback):
 __all__ = [
     "FLAVOUR",
     "RayEnvironment",
+    "RayFSDPStrategy",
     "RayLauncher",
+    "RayModelParallelStrategy",
     "RaySGDStrategy",
     "TuneReportCallback",
     "WorkerPrecision",

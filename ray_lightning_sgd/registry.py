@@ -19,6 +19,15 @@ from typing import Any
 
 #: The name that ``Trainer(strategy=...)`` and ``--trainer.strategy=`` accept.
 STRATEGY_NAME = "ray_sgd"
+#: Every registered name, the class it builds in each namespace, and what Lightning lists.
+STRATEGIES = {
+    STRATEGY_NAME: ("RaySGDStrategy", "DDP across a gang of Ray actors"),
+    "ray_model_parallel": (
+        "RayModelParallelStrategy",
+        "ModelParallelStrategy (FSDP2, tensor parallelism) across a gang of Ray actors",
+    ),
+    "ray_fsdp": ("RayFSDPStrategy", "FSDPStrategy across a gang of Ray actors with GPUs"),
+}
 
 #: Each namespace's strategies module, and our module for that namespace.
 _NAMESPACES = {
@@ -29,23 +38,26 @@ _NAMESPACES = {
 _lock = threading.Lock()
 
 
-def _factory(module: str) -> Callable[..., Any]:
-    def ray_sgd(**kwargs: Any) -> Any:
-        return importlib.import_module(module).RaySGDStrategy(**kwargs)
+def _factory(module: str, cls: str) -> Callable[..., Any]:
+    def build(**kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), cls)(**kwargs)
 
-    return ray_sgd
+    return build
 
 
 def register(strategies: ModuleType) -> None:
-    """Adds ``ray_sgd`` to the ``StrategyRegistry`` of one namespace's strategies module."""
+    """Adds this package's names to the ``StrategyRegistry`` of one namespace's strategies
+    module."""
     registry = getattr(strategies, "StrategyRegistry", None)
-    if registry is None or STRATEGY_NAME in registry:
+    if registry is None:
         return
-    registry.register(
-        STRATEGY_NAME,
-        _factory(_NAMESPACES[strategies.__name__]),
-        description="DDP across a gang of Ray actors (ray_lightning_sgd.RaySGDStrategy)",
-    )
+    for name, (cls, description) in STRATEGIES.items():
+        if name not in registry:
+            registry.register(
+                name,
+                _factory(_NAMESPACES[strategies.__name__], cls),
+                description=f"{description} (ray_lightning_sgd.{cls})",
+            )
 
 
 class _Registering(importlib.abc.Loader):

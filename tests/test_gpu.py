@@ -164,3 +164,30 @@ def test_warm_workers_free_the_gpu_memory_of_a_finished_call(ray_cluster):
     # strategy whose GPU devices an earlier Trainer set)
     _fit(RaySGDStrategy(num_workers=1, use_gpu=True), Ballast())
     assert assert_only_idle_workers_left() == 1
+
+
+def test_sharded_strategies_train_on_gpus_in_bf16(ray_cluster):
+    """FSDP2 (RayModelParallelStrategy) and FSDP1 (RayFSDPStrategy) over NCCL in bf16-mixed, one
+    worker per GPU; the driver gets the whole weights on the CPU."""
+    from ray_lightning_sgd import RayFSDPStrategy, RayModelParallelStrategy
+    from tests.sharded_models import ShardedMLP
+
+    workers = min(2, GPUS)
+    for strategy, shard in (
+        (RayModelParallelStrategy(num_workers=workers, use_gpu=True, data_parallel_size=workers,
+                                  tensor_parallel_size=1), True),
+        (RayFSDPStrategy(num_workers=workers, use_gpu=True), False),
+    ):  # fmt: skip
+        pl.seed_everything(0)
+        model = ShardedMLP(shard)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer = pl.Trainer(
+            strategy=strategy, precision="bf16-mixed", max_epochs=1, enable_checkpointing=False,
+            **quiet_trainer_kwargs(),
+        )  # fmt: skip
+        trainer.fit(model, loader())
+        assert trainer.precision == "bf16-mixed"
+        after = model.state_dict()
+        assert set(after) == set(before), type(strategy).__name__
+        assert all(t.device.type == "cpu" and type(t) is torch.Tensor for t in after.values())
+        assert any(not torch.equal(before[k], after[k]) for k in before), type(strategy).__name__

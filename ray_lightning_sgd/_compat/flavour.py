@@ -38,6 +38,8 @@ class Flavour:
     #: ``"pytorch_lightning"`` or ``"lightning.pytorch"``.
     namespace: str
     ddp_strategy: type
+    model_parallel_strategy: type
+    fsdp_strategy: type
     cpu_accelerator: type
     cuda_accelerator: type
     callback: type
@@ -65,6 +67,8 @@ class Flavour:
         return cls(
             namespace=namespace,
             ddp_strategy=pl.strategies.DDPStrategy,
+            model_parallel_strategy=pl.strategies.ModelParallelStrategy,
+            fsdp_strategy=pl.strategies.FSDPStrategy,
             cpu_accelerator=pl.accelerators.CPUAccelerator,
             cuda_accelerator=pl.accelerators.CUDAAccelerator,
             callback=pl.callbacks.Callback,

@@ -46,25 +46,21 @@ _OTHER_NAMESPACE = {
     "lightning.pytorch": ("pytorch_lightning", "pytorch_lightning"),
 }
 
-# DDPStrategy arguments that this strategy decides itself, and what to use instead
-_OWNED_DDP_ARGS = {
+# Lightning strategy arguments that these strategies decide themselves, and what to use instead
+_OWNED_ARGS = {
     "cluster_environment": "the strategy brings its own RayEnvironment",
     "parallel_devices": "use num_workers and use_gpu",
     "start_method": "Ray starts the workers",
     "process_group_backend": "use backend_config=TorchConfig(backend=...)",
     "timeout": "use backend_config=TorchConfig(timeout_s=...)",
 }
-_DDP_MODULE_ARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
-    "self",
-    "module",
-    "device_ids",
-    "output_device",
-    "process_group",
-}
 
 
-class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
-    """Distributed data parallel training on a gang of Ray actors.
+class RayStrategyBase(_compat.ConfigureLauncher, _Base):
+    """A Lightning strategy whose processes are a gang of Ray actors: what every strategy of this
+    package adds to the Lightning strategy it joins (:class:`RaySGDStrategyBase` to
+    ``DDPStrategy``, :class:`RayModelParallelStrategyBase` to ``ModelParallelStrategy``,
+    :class:`RayFSDPStrategyBase` to ``FSDPStrategy``).
 
     Args:
         num_workers: Number of workers (training processes), each a Ray actor.
@@ -100,12 +96,13 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
             and each batch (``outputs`` and ``batch`` are None; ``trainer`` shows rank 0's
             epoch, step, batch counts and latest metrics). The Trainer's progress bar runs the
             same way; callbacks given to the Trainer run on the workers, as in Lightning's DDP.
-        **ddp_kwargs: Passed to :class:`torch.nn.parallel.DistributedDataParallel`
-            (``find_unused_parameters``, ``bucket_cap_mb``, ``static_graph``, ...) or to
-            :class:`~pytorch_lightning.strategies.DDPStrategy` (``ddp_comm_hook``, ...).
+        **strategy_kwargs: Passed to the Lightning strategy (see each subclass).
     """
 
-    strategy_name = "ray_sgd"
+    strategy_name: ClassVar[str]
+    #: Whether the model's parameters are sharded across the workers: its full weights are
+    #: gathered for the driver shard by shard.
+    sharded: ClassVar[bool] = False
     #: The Lightning namespace of this class, and the launcher and environment classes it uses.
     flavour: ClassVar[Flavour]
     environment_class: ClassVar[type[RayEnvironmentBase]]
@@ -130,7 +127,7 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
         checkpoint_every_n_epochs: int = 1,
         checkpoint_storage: str | None = None,
         driver_callbacks: list[Any] | None = None,
-        **ddp_kwargs: Any,
+        **strategy_kwargs: Any,
     ) -> None:
         self._failure_config = FailureConfig(
             max_failures=max_failures,
@@ -152,7 +149,7 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
             raise ConfigurationError(
                 f"backend_config must be a TorchConfig, got {type(backend_config).__name__}"
             )
-        ddp_kwargs = _check_ddp_kwargs(ddp_kwargs, self.flavour.ddp_strategy)
+        strategy_kwargs = self._check_strategy_kwargs(strategy_kwargs)
         self._worker_group_config = WorkerGroupConfig(
             num_workers=num_workers,
             resources_per_worker=_resources(num_cpus_per_worker, use_gpu, resources_per_worker),
@@ -164,12 +161,34 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
         self._backend_config = backend_config
         self._reuse_workers = reuse_workers
         self._precision_request: PrecisionRequest | None = None
+        self._check_workers()
         super().__init__(
-            cluster_environment=self.environment_class(num_workers),
             process_group_backend=backend_config.backend,
             timeout=timedelta(seconds=backend_config.timeout_s),
-            **ddp_kwargs,
+            **strategy_kwargs,
         )
+        self.cluster_environment = self.environment_class(num_workers)
+
+    @classmethod
+    def lightning_strategy(cls) -> type:
+        """The Lightning strategy class this one joins, in the class's namespace."""
+        raise NotImplementedError
+
+    def _check_strategy_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Returns the Lightning strategy's arguments that change something; raises for those
+        the strategy owns or does not know."""
+        return _check_strategy_kwargs(kwargs, type(self).__name__, self.lightning_strategy())
+
+    def _check_workers(self) -> None:
+        """Raises for worker settings that this kind of strategy cannot run."""
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Runs on each worker (all of them: it may be a collective). The model's whole state
+        dict, on rank 0 at least, which the driver's model loads."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(f"{type(self).__name__} has no model to take the state dict of")
+        return module.state_dict()
 
     # Lightning's accelerator connector reads this attribute while it parses the Trainer's
     # arguments, right after it has the user's precision, and before it adapts the precision to
@@ -263,7 +282,7 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
         """Driver side: stops the idle workers that calls with this strategy's settings kept up."""
         pool.shutdown(self._worker_group_config)
 
-    def __enter__(self) -> RaySGDStrategyBase:
+    def __enter__(self) -> RayStrategyBase:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -273,10 +292,11 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
         # Lightning shows this when a Trainer of the other namespace refuses the strategy
         namespace = self.flavour.namespace
         other_namespace, other_module = _OTHER_NAMESPACE[namespace]
+        name = type(self).__name__
         return (
-            f"{type(self).__module__}.RaySGDStrategy(num_workers="
+            f"{type(self).__module__}.{name}(num_workers="
             f"{self._worker_group_config.num_workers}), for a {namespace}.Trainer (a "
-            f"{other_namespace}.Trainer takes ray_lightning_sgd.{other_module}.RaySGDStrategy)"
+            f"{other_namespace}.Trainer takes ray_lightning_sgd.{other_module}.{name})"
         )
 
     @property
@@ -284,7 +304,7 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
         """The cluster environment that holds this worker's rank and device."""
         if not isinstance(self.cluster_environment, RayEnvironmentBase):
             raise TypeError(
-                "RaySGDStrategy needs its own cluster environment (RayEnvironment), got "
+                f"{type(self).__name__} needs its own cluster environment (RayEnvironment), got "
                 f"{self.cluster_environment!r}"
             )
         return self.cluster_environment
@@ -303,16 +323,12 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
     def num_nodes(self, num_nodes: int) -> None:
         # Lightning passes Trainer(num_nodes=...) here while it builds the Trainer
         if num_nodes != 1:
+            name = type(self).__name__
             raise ConfigurationError(
-                f"Trainer(num_nodes={num_nodes}) conflicts with RaySGDStrategy: Ray places the "
-                "workers on nodes. Remove num_nodes and set RaySGDStrategy(num_workers=...) to the "
+                f"Trainer(num_nodes={num_nodes}) conflicts with {name}: Ray places the "
+                f"workers on nodes. Remove num_nodes and set {name}(num_workers=...) to the "
                 "total number of workers"
             )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
     def set_world_ranks(self) -> None:
@@ -322,6 +338,107 @@ class RaySGDStrategyBase(_compat.ConfigureLauncher, _Base):
     def make_launcher(self) -> RayLauncherBase:
         """Returns the launcher Lightning uses for this strategy."""
         return self.launcher_class(self)
+
+
+class RaySGDStrategyBase(RayStrategyBase):
+    """Distributed data parallel training on a gang of Ray actors: Lightning's ``DDPStrategy``.
+
+    Takes the arguments of :class:`RayStrategyBase` (the workers), and, as ``**ddp_kwargs``,
+    those of :class:`torch.nn.parallel.DistributedDataParallel` (``find_unused_parameters``,
+    ``bucket_cap_mb``, ``static_graph``, ...) or of Lightning's ``DDPStrategy``
+    (``ddp_comm_hook``, ...).
+    """
+
+    strategy_name = "ray_sgd"
+
+    @classmethod
+    @override
+    def lightning_strategy(cls) -> type:
+        return cls.flavour.ddp_strategy
+
+    @override
+    def _check_strategy_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        return _check_strategy_kwargs(
+            kwargs, type(self).__name__, self.lightning_strategy(), DistributedDataParallel
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+class _ShardedBase(RayStrategyBase):
+    """What the sharded strategies share: the full weights gathered shard by shard for the
+    driver; restarts are not supported yet."""
+
+    sharded = True
+
+    @override
+    def _check_workers(self) -> None:
+        if self._failure_config.max_failures:
+            raise ConfigurationError(
+                f"{type(self).__name__} does not restart yet: its resume checkpoints are sharded "
+                f"(got max_failures={self._failure_config.max_failures}); pass max_failures=0, and "
+                "resume a failed run with fit(ckpt_path=...) from its last checkpoint"
+            )
+
+    @override
+    def full_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        # every rank takes part; rank 0 alone receives each tensor, whole and on the CPU, one
+        # parameter at a time (never the whole model in one rank's device memory)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)  # type: ignore[arg-type]
+
+
+class RayModelParallelStrategyBase(_ShardedBase):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 with ``fully_shard`` and tensor parallelism,
+    applied in ``LightningModule.configure_model`` over ``self.device_mesh``) on a gang of Ray
+    actors. Runs on CPU workers (gloo) and GPU workers (NCCL).
+
+    Takes the arguments of :class:`RayStrategyBase` (the workers) and those of Lightning's
+    ``ModelParallelStrategy``: ``data_parallel_size``, ``tensor_parallel_size`` (each ``"auto"``
+    by default: one data-parallel group per node, tensor parallelism across a node's workers) and
+    ``save_distributed_checkpoint``.
+    """
+
+    strategy_name = "ray_model_parallel"
+
+    @classmethod
+    @override
+    def lightning_strategy(cls) -> type:
+        return cls.flavour.model_parallel_strategy
+
+
+class RayFSDPStrategyBase(_ShardedBase):
+    """Lightning's ``FSDPStrategy`` (FSDP1: ``auto_wrap_policy``, activation checkpointing, CPU
+    offload) on a gang of Ray actors with GPUs.
+
+    Takes the arguments of :class:`RayStrategyBase` (the workers; ``use_gpu=True`` or GPUs in
+    ``resources_per_worker``) and those of Lightning's ``FSDPStrategy``.
+    """
+
+    strategy_name = "ray_fsdp"
+
+    @classmethod
+    @override
+    def lightning_strategy(cls) -> type:
+        return cls.flavour.fsdp_strategy
+
+    @override
+    def _check_workers(self) -> None:
+        if not self._worker_group_config.use_gpu:
+            raise ConfigurationError(
+                f"{type(self).__name__} needs GPU workers (pass use_gpu=True): torch's FSDP "
+                "(FSDP1) runs on CUDA only. To shard a model across CPU workers, use "
+                "RayModelParallelStrategy (FSDP2) and apply fully_shard in configure_model"
+            )
+        super()._check_workers()
 
 
 def _resources(
@@ -365,8 +482,8 @@ def _resources(
 
 
 @functools.cache
-def _ddp_strategy_args(ddp_strategy: type) -> frozenset[str]:
-    init = vars(ddp_strategy)["__init__"]
+def _strategy_args(strategy: type) -> frozenset[str]:
+    init = vars(strategy)["__init__"]
     return frozenset(inspect.signature(init).parameters) - {"self", "kwargs"}
 
 
@@ -385,28 +502,41 @@ def _is_default(value: Any, name: str, defaults: Mapping[str, Any]) -> bool:
     return value is default or (type(value) is type(default) and bool(value == default))
 
 
-def _check_ddp_kwargs(ddp_kwargs: Mapping[str, Any], ddp_strategy: type) -> dict[str, Any]:
-    """Returns the DDP arguments that change something; raises for those the strategy owns.
+def _check_strategy_kwargs(
+    kwargs: Mapping[str, Any], name: str, strategy: type, module: type | None = None
+) -> dict[str, Any]:
+    """Returns the arguments of the Lightning ``strategy`` (and of the ``module`` wrapper it
+    builds, DDP's) that change something; raises for those the strategy owns or does not know.
 
     An argument given with its default value is dropped: LightningCLI passes every argument it
-    finds behind ``**ddp_kwargs`` (DDPStrategy's and DistributedDataParallel's) with its default.
+    finds behind ``**kwargs`` with its default.
     """
+    module_args = frozenset() if module is None else _module_args(module)
     defaults = {
-        **_defaults(DistributedDataParallel.__init__),
-        **_defaults(vars(ddp_strategy)["__init__"]),
+        **(_defaults(vars(module)["__init__"]) if module is not None else {}),
+        **_defaults(vars(strategy)["__init__"]),
     }
-    ddp_kwargs = {
-        name: value for name, value in ddp_kwargs.items() if not _is_default(value, name, defaults)
+    kwargs = {key: value for key, value in kwargs.items() if not _is_default(value, key, defaults)}
+    for key in kwargs:
+        if key in _OWNED_ARGS:
+            raise ConfigurationError(
+                f"{name} does not take {key}={kwargs[key]!r}: {_OWNED_ARGS[key]}"
+            )
+        if key not in _strategy_args(strategy) and key not in module_args:
+            accepted = sorted((_strategy_args(strategy) | module_args) - set(_OWNED_ARGS))
+            raise ConfigurationError(
+                f"{name} got an unknown argument {key}={kwargs[key]!r}; besides the worker "
+                f"arguments it takes {', '.join(accepted)}"
+            )
+    return kwargs
+
+
+@functools.cache
+def _module_args(module: type) -> frozenset[str]:
+    return frozenset(inspect.signature(vars(module)["__init__"]).parameters) - {
+        "self",
+        "module",
+        "device_ids",
+        "output_device",
+        "process_group",
     }
-    for name in ddp_kwargs:
-        if name in _OWNED_DDP_ARGS:
-            raise ConfigurationError(
-                f"RaySGDStrategy does not take {name}={ddp_kwargs[name]!r}: {_OWNED_DDP_ARGS[name]}"
-            )
-        if name not in _ddp_strategy_args(ddp_strategy) and name not in _DDP_MODULE_ARGS:
-            raise ConfigurationError(
-                f"RaySGDStrategy got an unknown argument {name}={ddp_kwargs[name]!r}; extra "
-                "arguments go to DistributedDataParallel, which takes "
-                f"{', '.join(sorted(_DDP_MODULE_ARGS))}"
-            )
-    return ddp_kwargs

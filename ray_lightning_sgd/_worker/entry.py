@@ -330,9 +330,10 @@ def _collect_results(
 ) -> WorkerOutput:
     """Runs on each worker. Gathers what the driver needs: everything from rank 0, and each
     rank's predictions."""
-    # every rank computes the state dict, in case metrics in the model synchronise in it; after
-    # every call, as validate/test may change buffers or load a checkpoint's weights (ckpt_path)
-    model_state = trainer.lightning_module.state_dict()
+    # every rank computes the state dict, in case metrics in the model synchronise in it (and a
+    # sharded strategy gathers it: a collective); after every call, as validate/test may change
+    # buffers or load a checkpoint's weights (ckpt_path)
+    model_state = trainer.strategy.full_state_dict()  # type: ignore[attr-defined]
     predictions = None
     if recorder is not None:
         if results is not None:
@@ -409,7 +410,8 @@ def _attributes(trainer: pl.Trainer) -> Attributes:
         (cb.state_key, item(cb.__getstate__(), f"callback {cb.state_key}"))
         for cb in callbacks_of(trainer)
     ]
-    fitted = trainer.state.fn == FITTING
+    # a sharded strategy's optimizers hold shards (gathering them is a collective on every rank)
+    fitted = trainer.state.fn == FITTING and not getattr(trainer.strategy, "sharded", False)
     return Attributes(
         callbacks=[(key, state) for key, state in callbacks if state is not None],
         loggers=[

@@ -1,0 +1,164 @@
+"""Sharded training on Ray: RayModelParallelStrategy (FSDP2 on CPU workers over gloo) against
+Lightning's own ModelParallelStrategy and against RaySGDStrategy; RayFSDPStrategy's refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as lpl
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from ray_lightning_sgd import RayFSDPStrategy, RayModelParallelStrategy, RaySGDStrategy
+from ray_lightning_sgd.exceptions import ConfigurationError
+from tests.helpers import loader, quiet_trainer_kwargs
+from tests.sharded_models import EPOCHS, ShardedMLP
+
+FSDP2 = {"data_parallel_size": 2, "tensor_parallel_size": 1}
+
+
+@pytest.fixture(scope="module")
+def lightning_reference(tmp_path_factory):
+    """Lightning's own ModelParallelStrategy run, started at once in its own processes."""
+    out = tmp_path_factory.mktemp("model-parallel-reference")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.sharded_models", str(out)],
+        cwd=Path(__file__).parent.parent,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def weights() -> dict[str, torch.Tensor]:
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, output[-3000:]
+        return torch.load(out / "weights.pt")
+
+    yield weights
+    if process.poll() is None:
+        process.kill()
+
+
+def _fit(
+    strategy, shard: bool = True, epochs: int = EPOCHS, **kwargs
+) -> tuple[pl.Trainer, ShardedMLP]:
+    pl.seed_everything(0)
+    model = ShardedMLP(shard)
+    trainer = pl.Trainer(
+        strategy=strategy, max_epochs=epochs, **{"enable_checkpointing": False, **kwargs},
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    trainer.fit(model, loader())
+    return trainer, model
+
+
+def _assert_close(ours: dict, theirs: dict, tolerance: float) -> None:
+    assert set(ours) == set(theirs)
+    for key in ours:
+        assert ours[key].shape == theirs[key].shape, key
+        difference = (ours[key].float() - theirs[key].float()).abs().max().item()
+        assert difference <= tolerance, f"{key} differs by {difference}"
+
+
+def test_fsdp2_on_ray_equals_lightnings_model_parallel_strategy(ray_cluster, lightning_reference):
+    trainer, model = _fit(RayModelParallelStrategy(num_workers=2, **FSDP2))
+    assert trainer.global_step == EPOCHS * 96 // 8 // 2
+    weights = model.state_dict()
+    assert all(type(t) is torch.Tensor for t in weights.values()), "whole tensors, not shards"
+    # on the workers each rank held half of each layer
+    assert model.parameter_type == "DTensor"
+    assert model.local_numel == model.net[0].weight.numel() // 2
+    _assert_close(weights, lightning_reference(), 1e-6)
+    assert trainer.callback_metrics["train_loss"] > 0
+
+
+def test_fsdp2_trains_as_ddp(ray_cluster):
+    _, sharded = _fit(RayModelParallelStrategy(num_workers=2, **FSDP2))
+    _, replicated = _fit(RaySGDStrategy(num_workers=2), shard=False)
+    before = ShardedMLP().state_dict()
+    _assert_close(sharded.state_dict(), replicated.state_dict(), 1e-5)
+    assert any(not torch.equal(before[k], v) for k, v in sharded.state_dict().items())
+
+
+def test_a_sharded_checkpoint_is_written_by_every_rank_and_fit_resumes_from_it(
+    ray_cluster, tmp_path
+):
+    strategy = RayModelParallelStrategy(num_workers=2, **FSDP2)
+    trainer, _ = _fit(strategy, epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)
+    checkpoint = Path(trainer.checkpoint_callback.best_model_path)
+    assert checkpoint.is_dir(), checkpoint  # torch's distributed checkpoint: a folder
+    shards = sorted(p.name for p in checkpoint.glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], shards
+    pl.seed_everything(0)
+    resumed = ShardedMLP()
+    trainer = pl.Trainer(
+        strategy=RayModelParallelStrategy(num_workers=2, **FSDP2), max_epochs=EPOCHS,
+        enable_checkpointing=False, **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    trainer.fit(resumed, loader(), ckpt_path=checkpoint)
+    assert trainer.global_step == EPOCHS * 96 // 8 // 2
+    _, uninterrupted = _fit(RayModelParallelStrategy(num_workers=2, **FSDP2))
+    _assert_close(resumed.state_dict(), uninterrupted.state_dict(), 1e-6)
+
+
+@pytest.mark.parametrize("namespace", [pl, lpl], ids=["pytorch_lightning", "lightning"])
+def test_both_strategies_are_registered_by_name(namespace):
+    assert {"ray_model_parallel", "ray_fsdp"} <= set(namespace.strategies.StrategyRegistry)
+    trainer = namespace.Trainer(strategy="ray_model_parallel", logger=False)
+    assert type(trainer.strategy).__name__ == "RayModelParallelStrategy"
+    assert isinstance(trainer.strategy, namespace.strategies.ModelParallelStrategy)
+    # registered with its defaults (CPU workers), which FSDP refuses, saying why
+    with pytest.raises(ConfigurationError, match="RayFSDPStrategy needs GPU workers"):
+        namespace.Trainer(strategy="ray_fsdp", logger=False)
+
+
+def test_what_the_sharded_strategies_cannot_run_is_refused_at_once():
+    started = time.monotonic()
+    with pytest.raises(
+        ConfigurationError, match=r"RayFSDPStrategy needs GPU workers.*RayModelParallelStrategy"
+    ):
+        RayFSDPStrategy(num_workers=2)
+    with pytest.raises(ConfigurationError, match=r"does not restart yet.*max_failures=1"):
+        RayModelParallelStrategy(num_workers=2, max_failures=1)
+    with pytest.raises(ConfigurationError, match=r"unknown argument find_unused_parameters=True"):
+        RayModelParallelStrategy(num_workers=2, find_unused_parameters=True)
+    with pytest.raises(ConfigurationError, match=r"does not take timeout"):
+        RayFSDPStrategy(num_workers=2, use_gpu=True, timeout=5)
+    assert time.monotonic() - started < 1
+    # an FSDP argument is taken as Lightning's FSDPStrategy takes it
+    strategy = RayFSDPStrategy(num_workers=2, use_gpu=True, state_dict_type="sharded")
+    assert isinstance(strategy, pl.strategies.FSDPStrategy)
+    assert strategy._state_dict_type == "sharded"
+
+
+def test_lightning_cli_trains_with_the_model_parallel_strategy(ray_cluster):
+    from pytorch_lightning.cli import LightningCLI
+
+    from tests.helpers import TinyData
+
+    cli = LightningCLI(
+        ShardedMLP,
+        TinyData,
+        args=[
+            "fit",
+            "--trainer.strategy=ray_lightning_sgd.RayModelParallelStrategy",
+            "--trainer.strategy.num_workers=2",
+            "--trainer.strategy.data_parallel_size=2",
+            "--trainer.strategy.tensor_parallel_size=1",
+            "--trainer.max_epochs=1",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.enable_progress_bar=false",
+        ],
+        save_config_callback=None,
+        seed_everything_default=0,
+    )
+    assert isinstance(cli.trainer.strategy, RayModelParallelStrategy)
+    assert cli.trainer.global_step == 96 // 8 // 2
+    assert cli.model.parameter_type == "DTensor"
