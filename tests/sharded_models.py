@@ -60,6 +60,21 @@ class ShardedMLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class FaultyShardedMLP(ShardedMLP):
+    """Rank ``rank``'s process exits at global step ``step``, the first time only (``marker``)."""
+
+    def __init__(self, rank: int, step: int, marker: str) -> None:
+        super().__init__()
+        self.fault = (rank, step, marker)
+
+    def training_step(self, batch, batch_idx):
+        rank, step, marker = self.fault
+        if self.global_rank == rank and self.global_step == step and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(3)
+        return super().training_step(batch, batch_idx)
+
+
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """All ranks: the model's whole weights (rank 0 receives them; the others an empty dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -264,3 +264,25 @@ def test_lightning_connector_reads_the_strategys_precision_while_parsing_the_arg
     )
     assert trainer_strategy._precision_request is not None
     assert trainer_strategy.precision_request.accelerator == "auto"
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_sharded_strategies_keep_their_checkpoint_mode_where_expected(namespace):
+    strategies = importlib.import_module(f"{namespace}.strategies")
+    for cls, (name, whole) in _compat.lightning.WHOLE_CHECKPOINTS.items():
+        strategy = getattr(strategies, cls)()
+        assert hasattr(strategy, name), (
+            f"{namespace}.strategies.{cls}.{name} moved; update _compat.whole_checkpoints"
+        )
+        sharded = {"_save_distributed_checkpoint": True, "_state_dict_type": "sharded"}[name]
+        setattr(strategy, name, sharded)
+        before = getattr(strategy, name)
+        with _compat.whole_checkpoints(strategy, cls):
+            assert getattr(strategy, name) == whole
+        assert getattr(strategy, name) == before
+    for cls, (name, _) in _compat.lightning.WHOLE_CHECKPOINTS.items():
+        source = inspect.getsource(getattr(strategies, cls).save_checkpoint)
+        assert name in source, (
+            f"{namespace}'s {cls}.save_checkpoint no longer reads {name}; update "
+            "_compat.whole_checkpoints"
+        )

@@ -3,6 +3,7 @@ Lightning's own ModelParallelStrategy and against RaySGDStrategy; RayFSDPStrateg
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 from ray_lightning_sgd import RayFSDPStrategy, RayModelParallelStrategy, RaySGDStrategy
 from ray_lightning_sgd.exceptions import ConfigurationError
 from tests.helpers import loader, quiet_trainer_kwargs
-from tests.sharded_models import EPOCHS, ShardedMLP
+from tests.sharded_models import EPOCHS, FaultyShardedMLP, ShardedMLP
 
 FSDP2 = {"data_parallel_size": 2, "tensor_parallel_size": 1}
 
@@ -124,8 +125,6 @@ def test_what_the_sharded_strategies_cannot_run_is_refused_at_once():
         ConfigurationError, match=r"RayFSDPStrategy needs GPU workers.*RayModelParallelStrategy"
     ):
         RayFSDPStrategy(num_workers=2)
-    with pytest.raises(ConfigurationError, match=r"does not restart yet.*max_failures=1"):
-        RayModelParallelStrategy(num_workers=2, max_failures=1)
     with pytest.raises(ConfigurationError, match=r"unknown argument find_unused_parameters=True"):
         RayModelParallelStrategy(num_workers=2, find_unused_parameters=True)
     with pytest.raises(ConfigurationError, match=r"does not take timeout"):
@@ -162,3 +161,20 @@ def test_lightning_cli_trains_with_the_model_parallel_strategy(ray_cluster):
     assert isinstance(cli.trainer.strategy, RayModelParallelStrategy)
     assert cli.trainer.global_step == 96 // 8 // 2
     assert cli.model.parameter_type == "DTensor"
+
+
+def test_a_sharded_run_restarts_from_its_resume_checkpoint(ray_cluster, tmp_path, caplog):
+    _, uninterrupted = _fit(RayModelParallelStrategy(num_workers=2, **FSDP2), epochs=3)
+    marker = str(tmp_path / "failed-once")
+    pl.seed_everything(0)
+    model = FaultyShardedMLP(rank=1, step=8, marker=marker)  # 6 steps an epoch: in the second
+    trainer = pl.Trainer(
+        strategy=RayModelParallelStrategy(num_workers=2, max_failures=1, **FSDP2), max_epochs=3,
+        enable_checkpointing=False, **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        trainer.fit(model, loader())
+    assert os.path.exists(marker), "the failure was not injected"
+    assert "resumes after epoch 0 (global step 6)" in caplog.text
+    assert trainer.global_step == 3 * 96 // 8 // 2
+    _assert_close(model.state_dict(), uninterrupted.state_dict(), 1e-6)

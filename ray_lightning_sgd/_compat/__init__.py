@@ -18,6 +18,7 @@ from ray_lightning_sgd._compat.lightning import (
     trainer_arguments_being_parsed,
     tuner_exit_exception,
     val_check_view,
+    whole_checkpoints,
     with_ckpt_path,
 )
 from ray_lightning_sgd._compat.ray import bind_local_ray_to_loopback
@@ -36,5 +37,6 @@ __all__ = [
     "trainer_arguments_being_parsed",
     "tuner_exit_exception",
     "val_check_view",
+    "whole_checkpoints",
     "with_ckpt_path",
 ]

@@ -6,10 +6,11 @@ release moves it; both namespaces are tested.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -146,3 +147,25 @@ def trainer_arguments_being_parsed() -> tuple[Any, Any, Any] | None:
         connector._precision_plugin_flag,
         connector._accelerator_flag,
     )
+
+
+#: The private attribute of each sharded Lightning strategy that says how it saves a checkpoint,
+#: and its value for one whole file that rank 0 writes (as DDP's checkpoints are).
+WHOLE_CHECKPOINTS = {
+    "ModelParallelStrategy": ("_save_distributed_checkpoint", False),
+    "FSDPStrategy": ("_state_dict_type", "full"),
+}
+
+
+@contextlib.contextmanager
+def whole_checkpoints(strategy: Any, lightning_strategy: str) -> Iterator[None]:
+    """Runs on each worker. Within it, a sharded strategy (``lightning_strategy`` names its
+    Lightning class) saves checkpoints whole: every rank sends its shards, rank 0 writes one file
+    on the CPU. Lightning's sharded strategies load such a file too."""
+    name, whole = WHOLE_CHECKPOINTS[lightning_strategy]
+    saved = getattr(strategy, name)
+    setattr(strategy, name, whole)
+    try:
+        yield
+    finally:
+        setattr(strategy, name, saved)

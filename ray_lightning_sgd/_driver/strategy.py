@@ -12,6 +12,7 @@ join it with that namespace's ``DDPStrategy``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Mapping
@@ -181,6 +182,11 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
 
     def _check_workers(self) -> None:
         """Raises for worker settings that this kind of strategy cannot run."""
+
+    def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
+        """Runs on each worker. A context in which ``Trainer.save_checkpoint`` writes a resume
+        checkpoint: one file, written by rank 0, that the driver keeps for restarts."""
+        return contextlib.nullcontext()
 
     def full_state_dict(self) -> dict[str, Any]:
         """Runs on each worker (all of them: it may be a collective). The model's whole state
@@ -370,18 +376,16 @@ class RaySGDStrategyBase(RayStrategyBase):
 
 class _ShardedBase(RayStrategyBase):
     """What the sharded strategies share: the full weights gathered shard by shard for the
-    driver; restarts are not supported yet."""
+    driver, and resume checkpoints saved whole."""
 
     sharded = True
 
     @override
-    def _check_workers(self) -> None:
-        if self._failure_config.max_failures:
-            raise ConfigurationError(
-                f"{type(self).__name__} does not restart yet: its resume checkpoints are sharded "
-                f"(got max_failures={self._failure_config.max_failures}); pass max_failures=0, and "
-                "resume a failed run with fit(ckpt_path=...) from its last checkpoint"
-            )
+    def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
+        # one file that rank 0 writes, with every rank's shards gathered to it on the CPU: it
+        # travels to the driver and back as DDP's does, and loads into the sharded model on
+        # restart (torch's distributed checkpoint would leave a shard on every rank's node)
+        return _compat.whole_checkpoints(self, self.lightning_strategy().__name__)
 
     @override
     def full_state_dict(self) -> dict[str, Any]:
@@ -438,7 +442,6 @@ class RayFSDPStrategyBase(_ShardedBase):
                 "(FSDP1) runs on CUDA only. To shard a model across CPU workers, use "
                 "RayModelParallelStrategy (FSDP2) and apply fully_shard in configure_model"
             )
-        super()._check_workers()
 
 
 def _resources(

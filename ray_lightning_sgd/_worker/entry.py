@@ -276,7 +276,8 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     finally:
         close_channel()
         if resume_file is not None and payload.resume and payload.resume.uri is None:
-            os.unlink(resume_file)
+            with contextlib.suppress(FileNotFoundError):  # another worker of the node's copy
+                os.unlink(resume_file)
     if trainer is None:
         return WorkerOutput(results, None, None)
     for callback in ours:

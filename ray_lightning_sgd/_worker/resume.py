@@ -7,11 +7,13 @@ node. With ``checkpoint_storage`` only the URI travels.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
@@ -35,6 +37,9 @@ class ResumePoint:
     global_step: int
     data: bytes | None = None
     uri: str | None = None
+    #: Names the local copy each worker makes of ``data`` (the same path on every rank: a
+    #: sharded strategy loads the path that rank 0 gives the others).
+    name: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class ResumeCheckpointBase:
@@ -65,15 +70,20 @@ class ResumeCheckpointBase:
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self._every:
             return
+        whole: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if hasattr(trainer.strategy, "resume_checkpoints"):
+            whole = trainer.strategy.resume_checkpoints()
         if self._storage is not None:
             uri = self._storage.rstrip("/") + "/resume.ckpt"
-            trainer.save_checkpoint(uri)
+            with whole:
+                trainer.save_checkpoint(uri)
             point = ResumePoint(trainer.current_epoch, trainer.global_step, uri=uri)
         else:
             fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
             os.close(fd)
             try:
-                trainer.save_checkpoint(path)
+                with whole:
+                    trainer.save_checkpoint(path)
                 data = _read(path) if trainer.global_rank == 0 else None
             finally:
                 os.unlink(path)
@@ -102,7 +112,10 @@ def materialise(point: ResumePoint) -> str:
         return point.uri
     if point.data is None:
         raise ValueError("a resume point holds either a uri or the checkpoint's bytes")
-    fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
+    path = os.path.join(tempfile.gettempdir(), f"ray_lightning_sgd-resume-{point.name}.ckpt")
+    # the workers of a node write the same bytes to the same path: each whole, then in place
+    fd, partial = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".part")
     with os.fdopen(fd, "wb") as file:
         file.write(point.data)
+    os.replace(partial, path)
     return path
