@@ -91,11 +91,20 @@ def test_a_sharded_checkpoint_is_written_by_every_rank_and_fit_resumes_from_it(
     ray_cluster, tmp_path
 ):
     strategy = RayModelParallelStrategy(num_workers=2, **FSDP2)
-    trainer, _ = _fit(strategy, epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)
+    trainer, first = _fit(strategy, epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)
     checkpoint = Path(trainer.checkpoint_callback.best_model_path)
     assert checkpoint.is_dir(), checkpoint  # torch's distributed checkpoint: a folder
     shards = sorted(p.name for p in checkpoint.glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"], shards
+    # one worker loads the two shards (torch's distributed checkpoint reshards): the run is done
+    # after its one epoch, and the driver gets the checkpoint's weights
+    loaded = ShardedMLP()
+    one = RayModelParallelStrategy(num_workers=1, data_parallel_size=1, tensor_parallel_size=1)
+    trainer = pl.Trainer(
+        strategy=one, max_epochs=1, enable_checkpointing=False, **quiet_trainer_kwargs()
+    )
+    trainer.fit(loaded, loader(), ckpt_path=checkpoint)
+    _assert_close(loaded.state_dict(), first.state_dict(), 0.0)
     pl.seed_everything(0)
     resumed = ShardedMLP()
     trainer = pl.Trainer(

@@ -444,6 +444,12 @@ class RayFSDPStrategyBase(_ShardedBase):
             )
 
 
+# each strategy's help shows the worker arguments it takes, besides its Lightning strategy's
+_WORKER_ARGS = (RayStrategyBase.__doc__ or "").split("Args:", 1)[-1]
+for _strategy in (RaySGDStrategyBase, RayModelParallelStrategyBase, RayFSDPStrategyBase):
+    _strategy.__doc__ = f"{_strategy.__doc__}\n    Worker arguments:\n{_WORKER_ARGS}"
+
+
 def _resources(
     num_cpus_per_worker: float, use_gpu: bool, resources_per_worker: Mapping[str, float] | None
 ) -> dict[str, float]:
