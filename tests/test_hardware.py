@@ -204,10 +204,11 @@ def test_workers_sharing_a_gpu_are_refused_with_nccl():
 
 def test_settings_the_workers_cannot_run_are_refused_before_any_worker_starts(ray_cluster):
     idle_before = pool.idle_group_names()
-    conflict = RaySGDStrategy(num_workers=2, use_gpu=True)
-    trainer = pl.Trainer(strategy=conflict, accelerator="cpu", **quiet_trainer_kwargs())
-    with pytest.raises(ConfigurationError, match=r"accelerator='cpu'.*use_gpu=True"):
-        trainer.fit(PrecisionProbe(), loader())
+    for accelerator in ("cpu", pl.accelerators.CPUAccelerator()):
+        conflict = RaySGDStrategy(num_workers=2, use_gpu=True)
+        trainer = pl.Trainer(strategy=conflict, accelerator=accelerator, **quiet_trainer_kwargs())
+        with pytest.raises(ConfigurationError, match=r"accelerator='cpu'.*RaySGDStrategy\(use_gpu"):
+            trainer.fit(PrecisionProbe(), loader())
     # a driver with a GPU (and Transformer Engine) accepts what its CPU workers cannot run; here,
     # the request that such a driver's Trainer would have kept
     cpu_workers = RaySGDStrategy(num_workers=2)

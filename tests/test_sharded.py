@@ -187,3 +187,64 @@ def test_a_sharded_run_restarts_from_its_resume_checkpoint(ray_cluster, tmp_path
     assert "resumes after epoch 0 (global step 6)" in caplog.text
     assert trainer.global_step == 3 * 96 // 8 // 2
     _assert_close(model.state_dict(), uninterrupted.state_dict(), 1e-6)
+
+
+def test_fsdp_takes_fsdp_precision_plugins_and_fsdp_arguments():
+    """On this CPU machine: the driver's Trainer, and a worker's half on the CPU."""
+    from ray_lightning_sgd._worker.entry import use_own_hardware
+
+    strategy = RayFSDPStrategy(
+        num_workers=2, use_gpu=True, limit_all_gathers=False, forward_prefetch=True
+    )
+    trainer = pl.Trainer(strategy=strategy, precision="bf16-mixed", logger=False)
+    assert trainer.precision == "bf16-mixed"
+    assert isinstance(trainer.precision_plugin, pl.plugins.FSDPPrecision)
+    assert strategy.kwargs["forward_prefetch"] is True  # passed on to FullyShardedDataParallel
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    driver_plugin = trainer.precision_plugin
+    use_own_hardware(strategy, strategy.ray_environment, strategy.flavour, global_rank=0)
+    assert isinstance(strategy.precision_plugin, pl.plugins.FSDPPrecision)
+    assert strategy.precision_plugin is not driver_plugin  # built for the worker's device
+    assert strategy.precision_plugin.precision == "bf16-mixed"
+    with pytest.raises(ConfigurationError, match="unknown argument bucket_cap_mb"):
+        RayFSDPStrategy(num_workers=2, use_gpu=True, bucket_cap_mb=10)
+
+
+def test_sharded_strategies_refuse_a_remote_checkpoint_storage():
+    with pytest.raises(ConfigurationError, match=r"local checkpoint_storage.*'s3://bucket/runs'"):
+        RayModelParallelStrategy(num_workers=2, checkpoint_storage="s3://bucket/runs")
+    RayModelParallelStrategy(num_workers=2, checkpoint_storage="/shared/runs")
+
+
+def test_every_worker_of_a_node_copies_a_resume_point_to_the_same_path():
+    from ray_lightning_sgd._worker.resume import ResumePoint, materialise
+
+    point = ResumePoint(epoch=0, global_step=6, data=b"checkpoint bytes")
+    first, second = materialise(point), materialise(point)
+    try:
+        assert first == second  # rank 0's path, which a sharded strategy gives every rank
+        assert Path(first).read_bytes() == b"checkpoint bytes"
+        other = ResumePoint(epoch=1, global_step=12, data=b"later")
+        assert materialise(other) != first
+    finally:
+        for path in {first, materialise(ResumePoint(1, 12, b"later", name=other.name))}:
+            os.unlink(path)
+
+
+def _process_groups() -> int:
+    """Runs on each worker. How many process groups the worker holds."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
+def test_warm_workers_do_not_gather_process_groups_call_after_call(ray_cluster):
+    from ray_lightning_sgd._executor import pool
+
+    pool.shutdown()
+    counts = []
+    for _ in range(2):
+        _fit(RayModelParallelStrategy(num_workers=2, **FSDP2), epochs=1)
+        [idle] = pool._idle
+        counts.append(idle.executor.run(_process_groups))
+    assert counts[0] == counts[1] == [1, 1], counts  # the default group alone

@@ -20,24 +20,25 @@ if TYPE_CHECKING:
 def check_trainer(trainer: pl.Trainer, strategy: LaunchSettings) -> None:
     """Driver side: rejects Trainer settings that conflict with the strategy, before Ray starts."""
     accelerator = trainer.accelerator
+    name = type(strategy).__name__
     cpu, cuda = strategy.flavour.cpu_accelerator, strategy.flavour.cuda_accelerator
     if not isinstance(accelerator, (cpu, cuda)):
         raise ConfigurationError(
-            f"RaySGDStrategy trains on CPUs or CUDA GPUs, but the Trainer chose "
+            f"{name} trains on CPUs or CUDA GPUs, but the Trainer chose "
             f"{type(accelerator).__name__}; use Trainer(accelerator='auto') or 'cpu', and "
-            "RaySGDStrategy(use_gpu=True) for GPUs"
+            f"{name}(use_gpu=True) for GPUs"
         )
     if isinstance(accelerator, cpu) and trainer.num_devices > 1:
         raise ConfigurationError(
-            f"Trainer(devices={trainer.num_devices}) conflicts with RaySGDStrategy, which runs one "
+            f"Trainer(devices={trainer.num_devices}) conflicts with {name}, which runs one "
             "device per worker: remove devices and set "
-            f"RaySGDStrategy(num_workers={trainer.num_devices})"
+            f"{name}(num_workers={trainer.num_devices})"
         )
     use_gpu = strategy.worker_group_config.use_gpu
     request = strategy.precision_request
     if use_gpu and request.accelerator == "cpu":
         raise ConfigurationError(
-            "Trainer(accelerator='cpu') conflicts with RaySGDStrategy(use_gpu=True), which gives "
+            f"Trainer(accelerator='cpu') conflicts with {name}(use_gpu=True), which gives "
             "each worker a GPU; remove accelerator (or pass 'auto') to train on the workers' GPUs, "
             "or pass use_gpu=False to train on their CPUs"
         )
@@ -46,7 +47,7 @@ def check_trainer(trainer: pl.Trainer, strategy: LaunchSettings) -> None:
         resolve_precision(request, WorkerHardware("cpu"))
     if isinstance(accelerator, cuda) and not use_gpu:
         warnings.warn(
-            "The driver's Trainer chose the CUDA accelerator, but RaySGDStrategy(use_gpu=False) "
+            f"The driver's Trainer chose the CUDA accelerator, but {name}(use_gpu=False) "
             "gives the workers no GPU, so they train on CPUs; pass use_gpu=True to give each "
             "worker a GPU",
             stacklevel=4,

@@ -31,7 +31,7 @@ from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._worker.environment import RayEnvironmentBase
-from ray_lightning_sgd._worker.hardware import PrecisionRequest, WorkerPrecisionBase
+from ray_lightning_sgd._worker.hardware import Family, PrecisionRequest, WorkerPrecisionBase
 from ray_lightning_sgd._worker_group import cluster
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd.exceptions import ConfigurationError
@@ -101,6 +101,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     """
 
     strategy_name: ClassVar[str]
+    #: The precision plugins the Lightning strategy takes (FSDP takes only its own).
+    precision_family: ClassVar[Family] = "general"
     #: Whether the model's parameters are sharded across the workers: its full weights are
     #: gathered for the driver shard by shard.
     sharded: ClassVar[bool] = False
@@ -207,10 +209,14 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         if arguments is None:
             return own
         precision, plugin, accelerator = arguments
-        if not isinstance(accelerator, str):
-            accelerator = type(accelerator).__name__
+        if not isinstance(accelerator, str):  # an Accelerator instance
+            name = type(accelerator).__name__
+            accelerator = {"CPUAccelerator": "cpu", "CUDAAccelerator": "cuda"}.get(name, name)
         self._precision_request = PrecisionRequest(str(precision), plugin or own, accelerator)
-        if own is None and plugin is None and self._worker_group_config.use_gpu:
+        # FSDP's connector branch builds its own plugin from the precision as asked, before
+        # Lightning adapts a precision to a CPU machine, and FSDP refuses any other plugin
+        stand_in = self.precision_family == "general" and self._worker_group_config.use_gpu
+        if own is None and plugin is None and stand_in:
             # the driver keeps a stand-in: it names the precision, the GPU workers build the plugin
             return self.precision_class(str(precision))
         return own
@@ -381,6 +387,17 @@ class _ShardedBase(RayStrategyBase):
     sharded = True
 
     @override
+    def _check_workers(self) -> None:
+        storage = self._failure_config.checkpoint_storage
+        if storage is not None and "://" in storage and not storage.startswith("file://"):
+            raise ConfigurationError(
+                f"{type(self).__name__} takes a local checkpoint_storage (a folder every worker's "
+                f"node reaches, such as a shared file system), got {storage!r}: Lightning's "
+                "sharded strategies write and read checkpoints by local path; mount the "
+                "storage, or leave checkpoint_storage out to keep resume checkpoints in the driver"
+            )
+
+    @override
     def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
         # one file that rank 0 writes, with every rank's shards gathered to it on the CPU: it
         # travels to the driver and back as DDP's does, and loads into the sharded model on
@@ -418,6 +435,17 @@ class RayModelParallelStrategyBase(_ShardedBase):
     def lightning_strategy(cls) -> type:
         return cls.flavour.model_parallel_strategy
 
+    @override
+    def teardown(self) -> None:
+        """Runs on each worker. Lightning's teardown, then the process groups of this call's
+        device mesh are destroyed: warm workers would otherwise gain a set on every call."""
+        super().teardown()
+        try:
+            mesh = self.device_mesh  # type: ignore[attr-defined]
+        except RuntimeError:  # the call ended before the mesh was made
+            return
+        _compat.torch.destroy_mesh_groups(mesh)
+
 
 class RayFSDPStrategyBase(_ShardedBase):
     """Lightning's ``FSDPStrategy`` (FSDP1: ``auto_wrap_policy``, activation checkpointing, CPU
@@ -428,11 +456,27 @@ class RayFSDPStrategyBase(_ShardedBase):
     """
 
     strategy_name = "ray_fsdp"
+    precision_family = "fsdp"
 
     @classmethod
     @override
     def lightning_strategy(cls) -> type:
         return cls.flavour.fsdp_strategy
+
+    @override
+    def _check_strategy_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        # FSDPStrategy passes what it does not take to torch's FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return _check_strategy_kwargs(
+            kwargs, type(self).__name__, self.lightning_strategy(), FullyShardedDataParallel
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # FSDPStrategy multiplies nodes by this node's workers, which differ from node to node
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
     def _check_workers(self) -> None:
@@ -442,6 +486,7 @@ class RayFSDPStrategyBase(_ShardedBase):
                 "(FSDP1) runs on CUDA only. To shard a model across CPU workers, use "
                 "RayModelParallelStrategy (FSDP2) and apply fully_shard in configure_model"
             )
+        super()._check_workers()
 
 
 # each strategy's help shows the worker arguments it takes, besides its Lightning strategy's
@@ -470,9 +515,8 @@ def _resources(
         if isinstance(gpus, (int, float)) and gpus > 1:
             raise ConfigurationError(
                 f"resources_per_worker={dict(resources_per_worker)} gives each worker {gpus:g} "
-                "GPUs, but a worker is one Lightning DDP process, which trains on one device; "
-                "run one worker per GPU instead: RaySGDStrategy(num_workers=<number of GPUs>, "
-                "use_gpu=True)"
+                "GPUs, but a worker is one Lightning process, which trains on one device; run "
+                "one worker per GPU instead: num_workers=<number of GPUs>, use_gpu=True"
             )
         return dict(resources_per_worker)
     if isinstance(num_cpus_per_worker, bool) or not isinstance(num_cpus_per_worker, (int, float)):
@@ -546,6 +590,7 @@ def _module_args(module: type) -> frozenset[str]:
         "self",
         "module",
         "device_ids",
+        "device_id",
         "output_device",
         "process_group",
     }

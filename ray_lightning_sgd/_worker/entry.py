@@ -313,9 +313,10 @@ def use_own_hardware(
         else [device] * environment.local_world_size
     )
     request = strategy.precision_request
+    family = strategy.precision_family
     choice = resolve_precision(request, hardware)
-    if not matches(strategy.precision_plugin, choice, flavour.plugins):
-        strategy.precision_plugin = make_plugin(choice, request, flavour.plugins)
+    if not matches(strategy.precision_plugin, choice, flavour.plugins, family):
+        strategy.precision_plugin = make_plugin(choice, request, flavour.plugins, family)
         if choice.note and global_rank == 0:
             warnings.warn(choice.note, stacklevel=2)
 

@@ -114,7 +114,7 @@ def resolve_precision(request: PrecisionRequest, hardware: WorkerHardware) -> Pr
         if "Bitsandbytes" in type(request.plugin).__name__ and device != "cuda":
             raise ConfigurationError(
                 f"plugins=[{type(request.plugin).__name__}(...)] runs on CUDA GPUs only, and the "
-                f"workers are {hardware.describe()}; pass RaySGDStrategy(use_gpu=True)"
+                f"workers are {hardware.describe()}; pass use_gpu=True to the strategy"
             )
         return PrecisionChoice(getattr(request.plugin, "precision", precision), "plugin", device)
     if precision not in PRECISIONS:
@@ -130,7 +130,7 @@ def resolve_precision(request: PrecisionRequest, hardware: WorkerHardware) -> Pr
         if device != "cuda":
             raise ConfigurationError(
                 f"precision={precision!r} runs on CUDA GPUs, and the workers are "
-                f"{hardware.describe()}; pass RaySGDStrategy(use_gpu=True)"
+                f"{hardware.describe()}; pass use_gpu=True to the strategy"
             )
         if not hardware.transformer_engine:
             raise ConfigurationError(
@@ -152,16 +152,23 @@ def resolve_precision(request: PrecisionRequest, hardware: WorkerHardware) -> Pr
             device,
             note="precision='16-mixed' (float16 autocast) does not run on CPUs: the CPU workers "
             "train with precision='bf16-mixed', as Lightning does on a CPU; pass "
-            "RaySGDStrategy(use_gpu=True) for float16 on GPUs",
+            "use_gpu=True to the strategy for float16 on GPUs",
         )
     return PrecisionChoice(precision, "mixed", device)
 
 
-def matches(plugin: Any, choice: PrecisionChoice, plugins: Any) -> bool:
+#: The precision plugins a strategy takes: Lightning's general ones, or FSDP's own.
+Family = Literal["general", "fsdp"]
+
+
+def matches(plugin: Any, choice: PrecisionChoice, plugins: Any, family: Family = "general") -> bool:
     """Whether ``plugin`` (of the namespace whose ``plugins`` module is given) is what ``choice``
-    builds, so that a worker keeps it rather than build another."""
+    builds, so that a worker keeps it rather than build another. An FSDP plugin is always built
+    again: one built on a driver without CUDA has its gradient scaler disabled."""
     if choice.kind == "plugin":
         return True
+    if family == "fsdp":
+        return False
     if getattr(plugin, "precision", None) != choice.precision:
         return False
     if choice.kind == "mixed":
@@ -170,11 +177,16 @@ def matches(plugin: Any, choice: PrecisionChoice, plugins: Any) -> bool:
     return type(plugin) is expected
 
 
-def make_plugin(choice: PrecisionChoice, request: PrecisionRequest, plugins: Any) -> Any:
+def make_plugin(
+    choice: PrecisionChoice, request: PrecisionRequest, plugins: Any, family: Family = "general"
+) -> Any:
     """Runs on each worker. The precision plugin for ``choice``, of the namespace whose
-    ``plugins`` module (``pytorch_lightning.plugins`` or ``lightning.pytorch.plugins``) is given."""
+    ``plugins`` module (``pytorch_lightning.plugins`` or ``lightning.pytorch.plugins``) is given;
+    for FSDP, its own plugin (as Lightning's connector builds for ``FSDPStrategy``)."""
     if choice.kind == "plugin":
         return request.plugin
+    if family == "fsdp":
+        return plugins.FSDPPrecision(choice.precision)
     if choice.kind == "mixed":
         return plugins.MixedPrecision(choice.precision, choice.device)
     if choice.kind == "half":
