@@ -187,7 +187,10 @@ def test_open_file_in_the_datamodule_is_named(ray_cluster, tmp_path):
         ({"num_workers": "2"}, "num_workers must be an int >= 1, got '2'"),
         ({"num_cpus_per_worker": 0}, "num_cpus_per_worker must be > 0, got 0"),
         ({"resources_per_worker": {"GPU": -1}}, "resources_per_worker['GPU'] must be a number > 0"),
-        ({"use_gpu": True, "resources_per_worker": {"CPU": 1}}, "add 'GPU': 1"),
+        (
+            {"num_cpus_per_worker": 2, "resources_per_worker": {"CPU": 1}},
+            "num_cpus_per_worker=2 and resources_per_worker={'CPU': 1} ask for different CPUs",
+        ),
         ({"placement_strategy": "pack"}, "placement_strategy must be one of PACK"),
         ({"startup_timeout_s": -1}, "startup_timeout_s must be > 0, got -1"),
         ({"backend_config": "nccl"}, "backend_config must be a TorchConfig"),
@@ -199,6 +202,22 @@ def test_bad_arguments_fail_in_the_constructor(kwargs, message):
     with pytest.raises(ConfigurationError) as info:
         RaySGDStrategy(**kwargs)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reserved"),
+    [
+        ({}, {"CPU": 1.0}),
+        ({"num_cpus_per_worker": 2, "use_gpu": True}, {"CPU": 2.0, "GPU": 1.0}),
+        # resources_per_worker no longer drops the other arguments' requests
+        ({"num_cpus_per_worker": 2, "resources_per_worker": {"GPU": 1}}, {"CPU": 2.0, "GPU": 1}),
+        ({"use_gpu": True, "resources_per_worker": {"CPU": 4}}, {"CPU": 4, "GPU": 1.0}),
+        ({"use_gpu": True, "resources_per_worker": {"GPU": 0.5}}, {"GPU": 0.5}),
+        ({"resources_per_worker": {"custom": 1}}, {"custom": 1}),  # no CPU reservation
+    ],
+)
+def test_resource_arguments_merge(kwargs, reserved):
+    assert RaySGDStrategy(**kwargs).worker_group_config.resources_per_worker == reserved
 
 
 @pytest.mark.parametrize(

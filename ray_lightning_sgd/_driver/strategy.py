@@ -65,12 +65,13 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
 
     Args:
         num_workers: Number of workers (training processes), each a Ray actor.
-        num_cpus_per_worker: CPUs each worker reserves.
+        num_cpus_per_worker: CPUs each worker reserves (default 1, or none when
+            ``resources_per_worker`` is given without ``CPU``).
         use_gpu: Give each worker one GPU (NCCL instead of gloo). The driver needs no GPU: each
             worker resolves the Trainer's precision for its own device.
         resources_per_worker: Ray resources each worker reserves (``CPU``, ``GPU`` with fractions
-            allowed, at most one), custom resources; overrides ``num_cpus_per_worker`` and
-            ``use_gpu``.
+            allowed, at most one), custom resources; merged with ``num_cpus_per_worker`` and
+            ``use_gpu``, each of which it may not contradict.
         placement_strategy: How the placement group spreads the workers over nodes: PACK, SPREAD,
             STRICT_PACK or STRICT_SPREAD.
         backend_config: The process group's backend, init method and timeout.
@@ -116,7 +117,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         self,
         num_workers: int = 1,
         *,
-        num_cpus_per_worker: float = 1,
+        num_cpus_per_worker: float | None = None,
         use_gpu: bool = False,
         resources_per_worker: dict[str, float] | None = None,
         placement_strategy: str = "PACK",
@@ -496,41 +497,53 @@ for _strategy in (RaySGDStrategyBase, RayModelParallelStrategyBase, RayFSDPStrat
 
 
 def _resources(
-    num_cpus_per_worker: float, use_gpu: bool, resources_per_worker: Mapping[str, float] | None
+    num_cpus_per_worker: float | None,
+    use_gpu: bool,
+    resources_per_worker: Mapping[str, float] | None,
 ) -> dict[str, float]:
+    """What each worker reserves: ``resources_per_worker`` merged with ``num_cpus_per_worker``
+    (its ``CPU``) and ``use_gpu`` (a ``GPU``); a key that two of them set differently is refused."""
     if not isinstance(use_gpu, bool):
         raise ConfigurationError(f"use_gpu must be True or False, got {use_gpu!r}")
-    if resources_per_worker is not None:
-        if not isinstance(resources_per_worker, Mapping):
+    if num_cpus_per_worker is not None:
+        if isinstance(num_cpus_per_worker, bool) or not isinstance(
+            num_cpus_per_worker, (int, float)
+        ):
             raise ConfigurationError(
-                f"resources_per_worker must be a dict such as {{'CPU': 2, 'GPU': 1}}, "
-                f"got {resources_per_worker!r}"
+                f"num_cpus_per_worker must be a number > 0, got {num_cpus_per_worker!r}"
             )
-        if use_gpu and "GPU" not in resources_per_worker:
+        if not num_cpus_per_worker > 0:
             raise ConfigurationError(
-                f"use_gpu=True but resources_per_worker={dict(resources_per_worker)} asks for no "
-                "GPU; add 'GPU': 1 (or a fraction) to resources_per_worker"
+                f"num_cpus_per_worker must be > 0, got {num_cpus_per_worker}; for workers "
+                "without a CPU reservation pass resources_per_worker without 'CPU'"
             )
-        gpus = resources_per_worker.get("GPU", 0)
-        if isinstance(gpus, (int, float)) and gpus > 1:
-            raise ConfigurationError(
-                f"resources_per_worker={dict(resources_per_worker)} gives each worker {gpus:g} "
-                "GPUs, but a worker is one Lightning process, which trains on one device; run "
-                "one worker per GPU instead: num_workers=<number of GPUs>, use_gpu=True"
-            )
-        return dict(resources_per_worker)
-    if isinstance(num_cpus_per_worker, bool) or not isinstance(num_cpus_per_worker, (int, float)):
+    if resources_per_worker is None:
+        resources = {"CPU": float(1 if num_cpus_per_worker is None else num_cpus_per_worker)}
+        if use_gpu:
+            resources["GPU"] = 1.0
+        return resources
+    if not isinstance(resources_per_worker, Mapping):
         raise ConfigurationError(
-            f"num_cpus_per_worker must be a number > 0, got {num_cpus_per_worker!r}"
+            f"resources_per_worker must be a dict such as {{'CPU': 2, 'GPU': 1}}, "
+            f"got {resources_per_worker!r}"
         )
-    if not num_cpus_per_worker > 0:
-        raise ConfigurationError(
-            f"num_cpus_per_worker must be > 0, got {num_cpus_per_worker}; for workers without "
-            "a CPU reservation pass resources_per_worker without 'CPU'"
-        )
-    resources = {"CPU": float(num_cpus_per_worker)}
+    resources = dict(resources_per_worker)
+    if num_cpus_per_worker is not None:
+        if "CPU" in resources and resources["CPU"] != num_cpus_per_worker:
+            raise ConfigurationError(
+                f"num_cpus_per_worker={num_cpus_per_worker} and resources_per_worker="
+                f"{dict(resources_per_worker)} ask for different CPUs; give the CPUs once"
+            )
+        resources["CPU"] = float(num_cpus_per_worker)
     if use_gpu:
-        resources["GPU"] = 1.0
+        resources.setdefault("GPU", 1.0)  # a fraction given there wins
+    gpus = resources.get("GPU", 0)
+    if isinstance(gpus, (int, float)) and not isinstance(gpus, bool) and gpus > 1:
+        raise ConfigurationError(
+            f"resources_per_worker={dict(resources_per_worker)} gives each worker {gpus:g} "
+            "GPUs, but a worker is one Lightning process, which trains on one device; run "
+            "one worker per GPU instead: num_workers=<number of GPUs>, use_gpu=True"
+        )
     return resources
 
 
