@@ -280,3 +280,20 @@ def test_deterministic_flag_reaches_the_workers(ray_cluster):
 def test_a_driver_without_gpu_accepts_use_gpu():
     trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2, use_gpu=True))
     assert trainer.strategy.worker_group_config.resources_per_worker == {"CPU": 1.0, "GPU": 1.0}
+
+
+def test_the_constructor_arguments_read_back_as_attributes():
+    hook = print
+    strategy = RaySGDStrategy(
+        num_workers=3, num_cpus_per_worker=2, use_gpu=True, placement_strategy="SPREAD",
+        init_hook=hook, worker_env={"A": "1"}, startup_timeout_s=5, max_failures=2,
+        progress_timeout_s=30, checkpoint_every_n_epochs=4, checkpoint_storage="/tmp/runs",
+    )  # fmt: skip
+    assert (strategy.num_workers, strategy.num_cpus_per_worker, strategy.use_gpu) == (3, 2.0, True)
+    assert strategy.resources_per_worker == {"CPU": 2.0, "GPU": 1.0}
+    assert (strategy.placement_strategy, strategy.init_hook) == ("SPREAD", hook)
+    assert (dict(strategy.worker_env), strategy.startup_timeout_s) == ({"A": "1"}, 5)
+    assert (strategy.max_failures, strategy.progress_timeout_s) == (2, 30)
+    assert (strategy.checkpoint_every_n_epochs, strategy.checkpoint_storage) == (4, "/tmp/runs")
+    with pytest.raises(AttributeError):
+        strategy.num_workers = 4  # read-only: the warm workers are keyed on the settings

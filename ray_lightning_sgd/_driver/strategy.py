@@ -57,6 +57,15 @@ _OWNED_ARGS = {
 }
 
 
+def _from_config(config: str, name: str) -> Any:
+    """A read-only property: the value ``name`` of the strategy's config ``config``."""
+
+    def read(self: Any) -> Any:
+        return getattr(getattr(self, config), name)
+
+    return property(read, doc=f"The ``{name}`` this strategy was given (read-only).")
+
+
 class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     """A Lightning strategy whose processes are a gang of Ray actors: what every strategy of this
     package adds to the Lightning strategy it joins (:class:`RaySGDStrategyBase` to
@@ -234,6 +243,25 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             return self._precision_request
         plugin = self.precision_plugin  # a strategy that no Trainer's connector parsed
         return PrecisionRequest(str(getattr(plugin, "precision", "32-true")))
+
+    # the constructor's arguments, readable as attributes (as ray_lightning's and Ray's
+    # ScalingConfig's are); each has one home, the config that holds it
+    num_workers = _from_config("_worker_group_config", "num_workers")
+    resources_per_worker = _from_config("_worker_group_config", "resources_per_worker")
+    placement_strategy = _from_config("_worker_group_config", "placement_strategy")
+    init_hook = _from_config("_worker_group_config", "init_hook")
+    worker_env = _from_config("_worker_group_config", "worker_env")
+    startup_timeout_s = _from_config("_worker_group_config", "startup_timeout_s")
+    use_gpu = _from_config("_worker_group_config", "use_gpu")
+    max_failures = _from_config("_failure_config", "max_failures")
+    progress_timeout_s = _from_config("_failure_config", "progress_timeout_s")
+    checkpoint_every_n_epochs = _from_config("_failure_config", "checkpoint_every_n_epochs")
+    checkpoint_storage = _from_config("_failure_config", "checkpoint_storage")
+
+    @property
+    def num_cpus_per_worker(self) -> float:
+        """The CPUs each worker reserves (0 where ``resources_per_worker`` names none)."""
+        return float(self._worker_group_config.resources_per_worker.get("CPU", 0))
 
     @property
     def worker_group_config(self) -> WorkerGroupConfig:
