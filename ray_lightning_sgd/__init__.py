@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ray_lightning_sgd import registry as _registry
 from ray_lightning_sgd.backend import Backend, BackendConfig
 from ray_lightning_sgd.exceptions import (
+    ClusterConnectionError,
     ConfigurationError,
     RaySGDError,
     ResourcesUnavailableError,
@@ -98,6 +99,7 @@ __all__ = [
     "Backend",
     "BackendConfig",
     "BackendExecutor",
+    "ClusterConnectionError",
     "ConfigurationError",
     "RayEnvironment",
     "RayFSDPStrategy",

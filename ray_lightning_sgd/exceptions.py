@@ -5,6 +5,8 @@ The hierarchy::
     RaySGDError                      base of everything this package raises itself
     ├── ConfigurationError           a bad argument, found before Ray is touched (also a ValueError)
     ├── SerializationError           the Trainer, model or data cannot be pickled (also a TypeError)
+    ├── ClusterConnectionError       no Ray cluster answers at the address, or it refused us
+    │                                (also a ConnectionError)
     ├── ResourcesUnavailableError    the cluster cannot give the requested workers
     └── WorkerGroupError             the worker group was used in a state that forbids the call
         ├── WorkerDiedError          a worker process died while running a call
@@ -27,6 +29,10 @@ class ConfigurationError(RaySGDError, ValueError):
 
 class SerializationError(RaySGDError, TypeError):
     """An object that must travel to the workers cannot be pickled."""
+
+
+class ClusterConnectionError(RaySGDError, ConnectionError):
+    """The driver could not join the Ray cluster it was pointed at."""
 
 
 class ResourcesUnavailableError(RaySGDError):

@@ -48,3 +48,26 @@ def is_placement_group_resource(name: str) -> bool:
     """Whether ``name`` in ``ray.cluster_resources()`` is a placement group's share of a resource
     (shown in Ray's resource lists next to the node's own)."""
     return _PLACEMENT_GROUP_RESOURCE in name
+
+
+def address_to_join() -> str | None:
+    """Driver side: the ``host:port`` that ``ray.init(address="auto")`` would join: ``RAY_ADDRESS``,
+    else the cluster that ``ray start`` last recorded on this machine (in Ray's temp folder; a
+    stopped or crashed one leaves its address there), else a running Ray found by its processes;
+    None when there is none."""
+    from ray._private import services
+
+    try:
+        return services.canonicalize_bootstrap_address("auto")
+    except ConnectionError:  # nothing recorded and nothing running
+        return None
+
+
+def recorded_address() -> str | None:
+    """Driver side: the address (``host:port``, as :func:`address_to_join` gives it) of the
+    cluster that ``ray start`` last started on this machine, as recorded in Ray's temp folder
+    (None when none is)."""
+    from ray._private import services
+
+    address = services.find_bootstrap_address(None)
+    return None if address is None else services.canonicalize_bootstrap_address(str(address))

@@ -1,8 +1,10 @@
 """Driver side: the connection to Ray, and what the cluster can and cannot give.
 
 :func:`connect` uses a Ray that is already initialised, the cluster named by ``RAY_ADDRESS``, or a
-cluster started with ``ray start`` on this machine; when there is none, it starts an embedded local
-instance on 127.0.0.1 only, without a dashboard, which Ray shuts down when the program exits.
+cluster started with ``ray start`` on this machine; when there is none (or the one recorded there no
+longer answers), it starts an embedded local instance on 127.0.0.1 only, without a dashboard, which
+Ray shuts down when the program exits. An address that answers nothing, or a cluster that refuses
+the driver, is an error within seconds that says what to check.
 
 :func:`placement_problem` is a pure function that tells, from the nodes' total resources, whether a
 gang of workers could ever be placed; the worker group calls it before it reserves anything, so that
@@ -14,17 +16,22 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 
 from ray_lightning_sgd import _compat
-from ray_lightning_sgd.exceptions import ResourcesUnavailableError
+from ray_lightning_sgd.exceptions import ClusterConnectionError, ResourcesUnavailableError
 
 log = logging.getLogger(__name__)
 
 _EPSILON = 1e-9
+
+
+#: How long a cluster's address may take to accept a connection before it counts as dead.
+_PROBE_TIMEOUT_S = 3.0
 
 
 def connect() -> bool:
@@ -32,22 +39,82 @@ def connect() -> bool:
 
     Returns:
         True if this call started an embedded local Ray instance.
+
+    Raises:
+        ClusterConnectionError: ``RAY_ADDRESS`` names an address where no cluster answers, or
+            the cluster there refused the connection (token authentication, most often).
     """
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):
+    named = os.environ.get("RAY_ADDRESS", "")
+    if named.startswith("ray://"):  # Ray Client: its own connection
         ray.init(log_to_driver=True)
         return False
     try:
-        # a cluster started with `ray start` on this machine
-        ray.init(address="auto", log_to_driver=True)
+        address = _compat.ray.address_to_join()
+    except ValueError as err:  # an address Ray cannot parse
+        raise ClusterConnectionError(f"RAY_ADDRESS={named!r} is not a Ray address: {err}") from err
+    if address is not None and not _answers(address):
+        if named:
+            # Ray would retry for minutes before it gives up
+            raise ClusterConnectionError(
+                f"RAY_ADDRESS={named!r}: no Ray cluster answers at {address} (waited "
+                f"{_PROBE_TIMEOUT_S:g} s); start it (ray start --head), correct RAY_ADDRESS, or "
+                "unset it to train on an embedded Ray on this machine"
+            )
+        log.warning(
+            "The Ray cluster last started on this machine (%s) no longer runs; starting an "
+            "embedded Ray instance instead",
+            address,
+        )
+        address = None
+    if address is not None and _join(address, named):
         return False
-    except ConnectionError:
-        pass
     _compat.bind_local_ray_to_loopback()
     ray.init(address="local", include_dashboard=False, log_to_driver=True)
     log.info("Started an embedded local Ray instance: %s", ray.cluster_resources())
     return True
+
+
+def _answers(address: str) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` within the probe timeout."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), _PROBE_TIMEOUT_S):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _join(address: str, named: str) -> bool:
+    """Joins the cluster at ``address``; returns False when it was only found running (another
+    program's embedded Ray) and refused us. A refusal by a cluster the user named or started
+    with ``ray start`` is an error that says what to check."""
+    try:
+        ray.init(address=address, log_to_driver=True)
+        return True
+    except ConnectionError as err:
+        if not named and _compat.ray.recorded_address() != address:
+            log.warning(
+                "A Ray instance runs on this machine (%s) but refused this driver (%s); "
+                "starting an embedded Ray instance instead",
+                address,
+                err,
+            )
+            return False
+        origin = f"RAY_ADDRESS={named!r}" if named else "the Ray cluster started on this machine"
+        hint = (
+            "it may require token authentication (clusters that `ray start` starts with Ray 2.60 "
+            "do when a token exists on the head node): set RAY_AUTH_MODE=token and give the "
+            "cluster's token in RAY_AUTH_TOKEN or the token file (~/.ray/auth_token; "
+            "`ray get-auth-token` on the head prints it). Ray never sends a token unless asked"
+            if os.environ.get("RAY_AUTH_MODE", "").lower() != "token"
+            else "check that RAY_AUTH_TOKEN or the token file holds the token of that cluster "
+            "(`ray get-auth-token` on its head node prints it)"
+        )
+        raise ClusterConnectionError(
+            f"could not join {origin} at {address}, which answers on its port: {err}; {hint}"
+        ) from err
 
 
 def check_placement_is_possible(
