@@ -296,3 +296,15 @@ def test_torch_keeps_its_live_process_groups_where_expected():
         "torch.distributed.distributed_c10d._world.pg_map moved; update "
         "_compat.torch.destroy_mesh_groups"
     )
+
+
+def test_ray_finds_the_address_to_join_where_expected(monkeypatch):
+    from ray._private import services
+
+    for name in ("canonicalize_bootstrap_address", "find_bootstrap_address"):
+        assert callable(getattr(services, name, None)), (
+            f"ray._private.services.{name} moved; update _compat.ray.address_to_join and "
+            "recorded_address"
+        )
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6553")
+    assert _compat_ray.address_to_join().endswith(":6553")

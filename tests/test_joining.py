@@ -93,7 +93,9 @@ def test_a_token_cluster_says_how_to_join_and_a_stopped_one_is_skipped(no_ray):
     head = subprocess.Popen(
         [str(RAY), "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
          "--include-dashboard=false"],
-        env=no_ray, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # a token cluster, as Ray 2.60's `ray start` makes when a token exists (older Ray: asked)
+        env={**no_ray, "RAY_AUTH_MODE": "token"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
