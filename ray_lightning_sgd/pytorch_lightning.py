@@ -14,7 +14,7 @@ installed). The classes here only join the implementation (see
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
@@ -60,28 +60,28 @@ class WorkerPrecision(WorkerPrecisionBase, _Precision):
     __doc__ = WorkerPrecisionBase.__doc__
 
 
-class RaySGDStrategy(RaySGDStrategyBase, _DDPStrategy):
+class _ThisNamespace:
+    """What each strategy of this namespace uses: the namespace, and its launcher, environment
+    and precision stand-in."""
+
+    flavour: ClassVar[Flavour] = FLAVOUR
+    environment_class: ClassVar[type[RayEnvironmentBase]] = RayEnvironment
+    launcher_class: ClassVar[type[RayLauncherBase]] = RayLauncher
+    precision_class: ClassVar[type[WorkerPrecisionBase]] = WorkerPrecision
+
+
+class RaySGDStrategy(_ThisNamespace, RaySGDStrategyBase, _DDPStrategy):
     __doc__ = RaySGDStrategyBase.__doc__
-    flavour = FLAVOUR
-    environment_class = RayEnvironment
-    launcher_class = RayLauncher
-    precision_class = WorkerPrecision
 
 
-class RayModelParallelStrategy(RayModelParallelStrategyBase, _ModelParallelStrategy):
+class RayModelParallelStrategy(
+    _ThisNamespace, RayModelParallelStrategyBase, _ModelParallelStrategy
+):
     __doc__ = RayModelParallelStrategyBase.__doc__
-    flavour = FLAVOUR
-    environment_class = RayEnvironment
-    launcher_class = RayLauncher
-    precision_class = WorkerPrecision
 
 
-class RayFSDPStrategy(RayFSDPStrategyBase, _FSDPStrategy):
+class RayFSDPStrategy(_ThisNamespace, RayFSDPStrategyBase, _FSDPStrategy):
     __doc__ = RayFSDPStrategyBase.__doc__
-    flavour = FLAVOUR
-    environment_class = RayEnvironment
-    launcher_class = RayLauncher
-    precision_class = WorkerPrecision
 
 
 class TuneReportCallback(TuneReportCallbackBase, _Callback):

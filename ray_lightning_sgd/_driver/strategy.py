@@ -187,10 +187,18 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         """The Lightning strategy class this one joins, in the class's namespace."""
         raise NotImplementedError
 
+    @classmethod
+    def module_wrapper(cls) -> type | None:
+        """torch's wrapper of the model that takes the arguments the Lightning strategy passes on
+        (``DistributedDataParallel``, ``FullyShardedDataParallel``), if any."""
+        return None
+
     def _check_strategy_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """Returns the Lightning strategy's arguments that change something; raises for those
-        the strategy owns or does not know."""
-        return _check_strategy_kwargs(kwargs, type(self).__name__, self.lightning_strategy())
+        """Returns the Lightning strategy's (and its module wrapper's) arguments that change
+        something; raises for those the strategy owns or does not know."""
+        return _check_strategy_kwargs(
+            kwargs, type(self).__name__, self.lightning_strategy(), self.module_wrapper()
+        )
 
     def _check_workers(self) -> None:
         """Raises for worker settings that this kind of strategy cannot run."""
@@ -381,7 +389,20 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         return self.launcher_class(self)
 
 
-class RaySGDStrategyBase(RayStrategyBase):
+class _SamplesByWorldRank:
+    """A strategy mixin: each worker reads its share of the data by its global rank among all
+    workers (Lightning's DDP and FSDP multiply nodes by a node's processes, which on Ray differ
+    from node to node)."""
+
+    world_size: int
+    global_rank: int
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+class RaySGDStrategyBase(_SamplesByWorldRank, RayStrategyBase):
     """Distributed data parallel training on a gang of Ray actors: Lightning's ``DDPStrategy``.
 
     Takes the arguments of :class:`RayStrategyBase` (the workers), and, as ``**ddp_kwargs``,
@@ -397,16 +418,10 @@ class RaySGDStrategyBase(RayStrategyBase):
     def lightning_strategy(cls) -> type:
         return cls.flavour.ddp_strategy
 
+    @classmethod
     @override
-    def _check_strategy_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        return _check_strategy_kwargs(
-            kwargs, type(self).__name__, self.lightning_strategy(), DistributedDataParallel
-        )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+    def module_wrapper(cls) -> type:
+        return DistributedDataParallel
 
 
 class _ShardedBase(RayStrategyBase):
@@ -476,7 +491,7 @@ class RayModelParallelStrategyBase(_ShardedBase):
         _compat.torch.destroy_mesh_groups(mesh)
 
 
-class RayFSDPStrategyBase(_ShardedBase):
+class RayFSDPStrategyBase(_SamplesByWorldRank, _ShardedBase):
     """Lightning's ``FSDPStrategy`` (FSDP1: ``auto_wrap_policy``, activation checkpointing, CPU
     offload) on a gang of Ray actors with GPUs.
 
@@ -492,20 +507,12 @@ class RayFSDPStrategyBase(_ShardedBase):
     def lightning_strategy(cls) -> type:
         return cls.flavour.fsdp_strategy
 
+    @classmethod
     @override
-    def _check_strategy_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        # FSDPStrategy passes what it does not take to torch's FullyShardedDataParallel
+    def module_wrapper(cls) -> type:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return _check_strategy_kwargs(
-            kwargs, type(self).__name__, self.lightning_strategy(), FullyShardedDataParallel
-        )
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # FSDPStrategy multiplies nodes by this node's workers, which differ from node to node
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return FullyShardedDataParallel
 
     @override
     def _check_workers(self) -> None:

@@ -7,13 +7,12 @@ node. With ``checkpoint_storage`` only the URI travels.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import tempfile
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
@@ -70,9 +69,8 @@ class ResumeCheckpointBase:
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self._every:
             return
-        whole: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if hasattr(trainer.strategy, "resume_checkpoints"):
-            whole = trainer.strategy.resume_checkpoints()
+        # a sharded strategy saves this checkpoint whole (see RayStrategyBase.resume_checkpoints)
+        whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
         if self._storage is not None:
             uri = self._storage.rstrip("/") + "/resume.ckpt"
             with whole:
