@@ -60,6 +60,12 @@ def pack(obj: Any, shared: dict[int, str] | None = None, cpu: bool = False) -> P
     return Packed(file.getvalue(), buffers, pickler.ray_objects)
 
 
+def in_band(packed: Packed) -> Packed:
+    """``packed`` with its buffers copied into ``bytes``: for a receiver that pickles what it
+    gets once more (a Ray Client's server cannot pickle the buffers Ray hands back)."""
+    return packed._replace(buffers=[bytes(memoryview(b)) for b in packed.buffers])
+
+
 def unpack(packed: Packed, copy: bool = True, shared: dict[str, Any] | None = None) -> Any:
     """Rebuilds what :func:`pack` packed; every tensor owns a writable copy of its storage.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 import subprocess
 import sys
 import textwrap
@@ -150,3 +152,23 @@ def test_importing_the_package_first_registers_the_name_when_lightning_comes():
     )
     out = _python(code)
     assert out.stdout.strip().endswith("ray_lightning_sgd.pytorch_lightning")
+
+
+@pytest.mark.parametrize(
+    "strategy, lightning_argument",
+    [
+        ("RaySGDStrategy", "find_unused_parameters"),
+        ("RayModelParallelStrategy", "tensor_parallel_size"),
+        ("RayFSDPStrategy", "auto_wrap_policy"),
+    ],
+)
+def test_cli_help_lists_the_arguments_the_strategy_takes_only(strategy, lightning_argument, capsys):
+    with pytest.raises(SystemExit):
+        _cli(["--trainer.strategy.help", f"ray_lightning_sgd.{strategy}"], run=False)
+    shown = set(re.findall(r"--trainer\.strategy\.(\w+)", capsys.readouterr().out))
+    assert {"num_workers", "use_gpu", "max_failures", lightning_argument} <= shown, shown
+    # Lightning's arguments that the strategy decides itself, which its constructor refuses
+    refused = {"parallel_devices", "cluster_environment", "start_method", "timeout"}
+    assert not shown & (refused | {"process_group_backend", "device_ids", "strategy_kwargs"})
+    parameters = inspect.signature(getattr(ray_lightning_sgd, strategy)).parameters
+    assert lightning_argument in parameters and not refused & set(parameters)

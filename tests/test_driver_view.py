@@ -12,6 +12,7 @@ import torch
 from pytorch_lightning.callbacks import Callback, RichProgressBar, TQDMProgressBar
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
+from ray_lightning_sgd._driver.replay import OutputPrinter
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
 
 
@@ -187,13 +188,22 @@ _USER_LOG.propagate = False
 
 
 class Chatty(TinyModel):
-    """Prints, logs and warns on every rank."""
+    """Prints, logs and warns on every rank; rank 0 warns before training, rank 1 after it, as
+    a warning that each process gives once, where it first meets it."""
 
     def on_train_start(self) -> None:
-        import warnings
-
         print(f"hello from rank {self.global_rank}")
         _USER_LOG.warning("a log record of rank %d", self.global_rank)
+        if self.global_rank == 0:
+            self._warn()
+
+    def on_train_end(self) -> None:
+        if self.global_rank == 1:
+            self._warn()
+
+    def _warn(self) -> None:
+        import warnings
+
         warnings.warn("the same warning on every rank", UserWarning, stacklevel=1)
 
 
@@ -206,7 +216,7 @@ def test_worker_output_reaches_the_driver_tagged_with_the_rank(ray_cluster, capf
     assert "[rank 1] hello from rank 1\n" in captured.out
     assert "[rank 0] a log record of rank 0" in captured.err
     assert "[rank 1] a log record of rank 1" in captured.err
-    # the warning is the same text on both ranks: once
+    # the warning is the same text on both ranks, given at different moments: once
     assert captured.err.count("UserWarning: the same warning on every rank") == 1, captured.err
 
 
@@ -391,3 +401,15 @@ def test_the_drivers_own_slow_callbacks_are_no_ranks_silence(ray_cluster, tmp_pa
         epochs=3,
     )  # fmt: skip
     assert trainer.current_epoch == 3
+
+
+def test_a_line_every_rank_prints_alike_is_printed_once_whenever_each_prints_it(capsys):
+    printer = OutputPrinter()
+    printer.write(0, [("stderr", "W: once per process"), ("stdout", "epoch 0")])
+    for epoch in range(1, 50):  # much other output in between
+        printer.write(0, [("stdout", f"epoch {epoch}")])
+    printer.write(1, [("stdout", "epoch 0"), ("stderr", "W: once per process")])
+    printer.write(0, [("stderr", "W: once per process")])  # rank 0 gives it a second time
+    out, err = capsys.readouterr()
+    assert err.count("W: once per process") == 2, err
+    assert "[rank 0] epoch 0\n" in out and "[rank 1] epoch 0" not in out

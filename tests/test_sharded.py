@@ -15,12 +15,15 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from ray_lightning_sgd import RayFSDPStrategy, RayModelParallelStrategy, RaySGDStrategy
+from ray_lightning_sgd import RayFSDPStrategy, RayModelParallelStrategy, RaySGDStrategy, _compat
 from ray_lightning_sgd.exceptions import ConfigurationError
 from tests.helpers import loader, quiet_trainer_kwargs
 from tests.sharded_models import EPOCHS, FaultyShardedMLP, ShardedMLP
 
 FSDP2 = {"data_parallel_size": 2, "tensor_parallel_size": 1}
+CPU_FSDP2_PROBLEM = _compat.torch.cpu_fsdp2_problem(torch.__version__)
+#: The tests that shard on CPU workers, which torch's FSDP2 does from 2.7 on
+needs_cpu_fsdp2 = pytest.mark.skipif(CPU_FSDP2_PROBLEM is not None, reason=str(CPU_FSDP2_PROBLEM))
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,7 @@ def _assert_close(ours: dict, theirs: dict, tolerance: float) -> None:
         assert difference <= tolerance, f"{key} differs by {difference}"
 
 
+@needs_cpu_fsdp2
 def test_fsdp2_on_ray_equals_lightnings_model_parallel_strategy(ray_cluster, lightning_reference):
     trainer, model = _fit(RayModelParallelStrategy(num_workers=2, **FSDP2))
     assert trainer.global_step == EPOCHS * 96 // 8 // 2
@@ -79,6 +83,7 @@ def test_fsdp2_on_ray_equals_lightnings_model_parallel_strategy(ray_cluster, lig
     assert trainer.callback_metrics["train_loss"] > 0
 
 
+@needs_cpu_fsdp2
 def test_fsdp2_trains_as_ddp(ray_cluster):
     _, sharded = _fit(RayModelParallelStrategy(num_workers=2, **FSDP2))
     _, replicated = _fit(RaySGDStrategy(num_workers=2), shard=False)
@@ -87,6 +92,7 @@ def test_fsdp2_trains_as_ddp(ray_cluster):
     assert any(not torch.equal(before[k], v) for k, v in sharded.state_dict().items())
 
 
+@needs_cpu_fsdp2
 def test_a_sharded_checkpoint_is_written_by_every_rank_and_fit_resumes_from_it(
     ray_cluster, tmp_path
 ):
@@ -120,9 +126,13 @@ def test_a_sharded_checkpoint_is_written_by_every_rank_and_fit_resumes_from_it(
 @pytest.mark.parametrize("namespace", [pl, lpl], ids=["pytorch_lightning", "lightning"])
 def test_both_strategies_are_registered_by_name(namespace):
     assert {"ray_model_parallel", "ray_fsdp"} <= set(namespace.strategies.StrategyRegistry)
-    trainer = namespace.Trainer(strategy="ray_model_parallel", logger=False)
-    assert type(trainer.strategy).__name__ == "RayModelParallelStrategy"
-    assert isinstance(trainer.strategy, namespace.strategies.ModelParallelStrategy)
+    if CPU_FSDP2_PROBLEM is not None:  # its defaults are CPU workers
+        with pytest.raises(ConfigurationError, match="RayModelParallelStrategy on CPU workers"):
+            namespace.Trainer(strategy="ray_model_parallel", logger=False)
+    else:
+        trainer = namespace.Trainer(strategy="ray_model_parallel", logger=False)
+        assert type(trainer.strategy).__name__ == "RayModelParallelStrategy"
+        assert isinstance(trainer.strategy, namespace.strategies.ModelParallelStrategy)
     # registered with its defaults (CPU workers), which FSDP refuses, saying why
     with pytest.raises(ConfigurationError, match="RayFSDPStrategy needs GPU workers"):
         namespace.Trainer(strategy="ray_fsdp", logger=False)
@@ -139,12 +149,21 @@ def test_what_the_sharded_strategies_cannot_run_is_refused_at_once():
     with pytest.raises(ConfigurationError, match=r"does not take timeout"):
         RayFSDPStrategy(num_workers=2, use_gpu=True, timeout=5)
     assert time.monotonic() - started < 1
+    # torch's FSDP2 on CPU workers: from torch 2.7 on, refused before that
+    assert _compat.torch.cpu_fsdp2_problem("2.7.1") is None
+    assert "Install torch>=2.7" in str(_compat.torch.cpu_fsdp2_problem("2.6.0+cpu"))
+    if CPU_FSDP2_PROBLEM is not None:
+        with pytest.raises(ConfigurationError, match=r"on CPU workers: torch .* Install torch"):
+            RayModelParallelStrategy(num_workers=2)
+    else:
+        RayModelParallelStrategy(num_workers=2)
     # an FSDP argument is taken as Lightning's FSDPStrategy takes it
     strategy = RayFSDPStrategy(num_workers=2, use_gpu=True, state_dict_type="sharded")
     assert isinstance(strategy, pl.strategies.FSDPStrategy)
     assert strategy._state_dict_type == "sharded"
 
 
+@needs_cpu_fsdp2
 def test_lightning_cli_trains_with_the_model_parallel_strategy(ray_cluster):
     from pytorch_lightning.cli import LightningCLI
 
@@ -172,6 +191,7 @@ def test_lightning_cli_trains_with_the_model_parallel_strategy(ray_cluster):
     assert cli.model.parameter_type == "DTensor"
 
 
+@needs_cpu_fsdp2
 def test_a_sharded_run_restarts_from_its_resume_checkpoint(ray_cluster, tmp_path, caplog):
     _, uninterrupted = _fit(RayModelParallelStrategy(num_workers=2, **FSDP2), epochs=3)
     marker = str(tmp_path / "failed-once")
@@ -212,8 +232,8 @@ def test_fsdp_takes_fsdp_precision_plugins_and_fsdp_arguments():
 
 def test_sharded_strategies_refuse_a_remote_checkpoint_storage():
     with pytest.raises(ConfigurationError, match=r"local checkpoint_storage.*'s3://bucket/runs'"):
-        RayModelParallelStrategy(num_workers=2, checkpoint_storage="s3://bucket/runs")
-    RayModelParallelStrategy(num_workers=2, checkpoint_storage="/shared/runs")
+        RayModelParallelStrategy(num_workers=2, use_gpu=True, checkpoint_storage="s3://bucket/runs")
+    RayModelParallelStrategy(num_workers=2, use_gpu=True, checkpoint_storage="/shared/runs")
 
 
 def test_every_worker_of_a_node_copies_a_resume_point_to_the_same_path():
@@ -238,6 +258,7 @@ def _process_groups() -> int:
     return len(c10d._world.pg_map)
 
 
+@needs_cpu_fsdp2
 def test_warm_workers_do_not_gather_process_groups_call_after_call(ray_cluster):
     from ray_lightning_sgd._executor import pool
 

@@ -71,3 +71,11 @@ def recorded_address() -> str | None:
 
     address = services.find_bootstrap_address(None)
     return None if address is None else services.canonicalize_bootstrap_address(str(address))
+
+
+def driver_is_a_client() -> bool:
+    """Driver side: whether this process reaches its cluster through Ray Client
+    (``ray.init("ray://...")``)."""
+    from ray.util.client import ray as client
+
+    return bool(client.is_connected())

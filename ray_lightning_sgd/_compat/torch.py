@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from packaging.version import Version
+
+#: The first torch whose FSDP2 (``fully_shard``) runs on CPU: torch 2.6's calls CUDA's stream API
+#: on the CPU too (``'Stream' object has no attribute 'record_event'``), in Lightning's own
+#: ModelParallelStrategy as in ours.
+CPU_FSDP2_SINCE = "2.7"
+
 #: torch.distributed's exception classes of a failed collective or rendezvous.
 PEER_LOSS_ERRORS = ("DistBackendError", "DistNetworkError")
 #: Words of the errors gloo raises on a rank whose peer vanished.
@@ -33,3 +40,13 @@ def destroy_mesh_groups(mesh: Any) -> None:
         group = mesh.get_group(dim)
         if group is not dist.GroupMember.WORLD and group in alive:
             dist.destroy_process_group(group)
+
+
+def cpu_fsdp2_problem(version: str) -> str | None:
+    """Why torch ``version`` cannot shard a model with FSDP2 on CPU workers, or None if it can."""
+    if Version(version).release >= Version(CPU_FSDP2_SINCE).release:
+        return None
+    return (
+        f"torch {version}'s FSDP2 (fully_shard) runs on CUDA only: it calls CUDA's stream API on "
+        f"the CPU as well. Install torch>={CPU_FSDP2_SINCE}, or use GPU workers (use_gpu=True)"
+    )

@@ -14,6 +14,7 @@ the driver's Trainer and model (:mod:`.recovery`). The worker half is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from typing_extensions import override
 
+from ray_lightning_sgd import _compat
 from ray_lightning_sgd._driver.checks import check_trainer, pack_payload
 from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
@@ -47,7 +49,7 @@ from ray_lightning_sgd._worker.entry import (
     run_on_worker,
 )
 from ray_lightning_sgd._worker.resume import ResumePoint
-from ray_lightning_sgd._worker_group import cluster
+from ray_lightning_sgd._worker_group import cluster, code
 from ray_lightning_sgd.exceptions import WorkerDiedError, WorkerGroupError
 
 if TYPE_CHECKING:
@@ -106,6 +108,7 @@ class RayLauncherBase(_Base):
             report_progress=failure.progress_timeout_s is not None and trainer is not None,
             resume_every_n_epochs=failure.checkpoint_every_n_epochs if failure.max_failures else 0,
             resume_storage=_run_folder(failure.checkpoint_storage, run_id), artifacts=mirror,
+            results_in_band=_compat.ray.driver_is_a_client(),
         )  # fmt: skip
 
         def start(resume: ResumePoint | None) -> _Attempt:
@@ -192,9 +195,10 @@ class RayLauncherBase(_Base):
 
     def _start_executor(self) -> BackendExecutor:
         strategy = self._strategy
-        executor, warm = pool.acquire(
-            strategy.backend_config, strategy.worker_group_config, reuse=strategy.reuse_workers
-        )
+        config = strategy.worker_group_config
+        if config.ship_driver_code:
+            config = dataclasses.replace(config, driver_code=_driver_code())
+        executor, warm = pool.acquire(strategy.backend_config, config, reuse=strategy.reuse_workers)
         log.debug("%s workers for this call", "warm" if warm else "new")
         return executor
 
@@ -228,6 +232,16 @@ def _inbox_for(
     if trainer is None:
         return None
     return RunInbox(DriverReplay(trainer, callbacks), failure.progress_timeout_s)
+
+
+def _driver_code() -> code.DriverCode:
+    """Driver side: the driver's own code now, shipped through Ray when workers may run on
+    another node (the cluster has several, or the driver is a Ray Client, on none of them)."""
+    if _compat.ray.driver_is_a_client():
+        return code.snapshot(None, ship=True)
+    node_id = ray.get_runtime_context().get_node_id()
+    others = any(node["NodeID"] != node_id for node in ray.nodes() if node.get("Alive"))
+    return code.snapshot(node_id, ship=others)
 
 
 def _run_folder(storage: str | None, run_id: str) -> str | None:

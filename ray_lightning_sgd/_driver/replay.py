@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import OrderedDict
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -201,13 +202,16 @@ class OutputPrinter:
     print alike (a warning every rank emits) is printed once."""
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[str, str], dict[int, int]] = {}
+        # per distinct line, how often each rank printed it; the least recently printed lines
+        # are forgotten first (a long run that prints per step would otherwise grow it for ever)
+        self._counts: OrderedDict[tuple[str, str], dict[int, int]] = OrderedDict()
 
     def write(self, rank: int, lines: list[tuple[str, str]]) -> None:
         for stream, line in lines:
-            if len(self._counts) > _MAX_DISTINCT_LINES:
-                self._counts.clear()  # a long run that prints per step: forget old lines
             counts = self._counts.setdefault((stream, line), {})
+            self._counts.move_to_end((stream, line))
+            if len(self._counts) > _MAX_DISTINCT_LINES:
+                self._counts.popitem(last=False)
             seen_elsewhere = max((n for r, n in counts.items() if r != rank), default=0)
             counts[rank] = counts.get(rank, 0) + 1
             if counts[rank] > seen_elsewhere:

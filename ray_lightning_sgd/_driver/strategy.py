@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import typing
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -107,6 +108,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             and each batch (``outputs`` and ``batch`` are None; ``trainer`` shows rank 0's
             epoch, step, batch counts and latest metrics). The Trainer's progress bar runs the
             same way; callbacks given to the Trainer run on the workers, as in Lightning's DDP.
+        ship_driver_code: Make what the driver can import importable on every worker: the
+            driver's own modules (those imported from folders outside the standard library and
+            site-packages, e.g. through ``sys.path.append("../src")``) are found on the workers
+            of the driver's node through the driver's ``sys.path``, in its order, and reach other
+            nodes through Ray's runtime environment (``py_modules``, cached per content). With
+            False, every node must be able to import them (installed, or a shared folder).
         **strategy_kwargs: Passed to the Lightning strategy (see each subclass).
     """
 
@@ -140,6 +147,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         checkpoint_every_n_epochs: int = 1,
         checkpoint_storage: str | None = None,
         driver_callbacks: list[Any] | None = None,
+        ship_driver_code: bool = True,
         **strategy_kwargs: Any,
     ) -> None:
         self._failure_config = FailureConfig(
@@ -170,6 +178,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             worker_env=dict(worker_env or {}),
             init_hook=init_hook,
             startup_timeout_s=startup_timeout_s,
+            ship_driver_code=ship_driver_code,
         )
         self._backend_config = backend_config
         self._reuse_workers = reuse_workers
@@ -181,6 +190,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             **strategy_kwargs,
         )
         self.cluster_environment = self.environment_class(num_workers)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        inherits = cls.__module__ != __name__ and cls.__init__ is RayStrategyBase.__init__
+        if inherits and _joins_a_lightning_strategy(cls):
+            cls.__init__ = _init_with_accepted_signature(cls)  # type: ignore[method-assign]
 
     @classmethod
     def lightning_strategy(cls) -> type:
@@ -258,6 +273,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     resources_per_worker = _from_config("_worker_group_config", "resources_per_worker")
     placement_strategy = _from_config("_worker_group_config", "placement_strategy")
     init_hook = _from_config("_worker_group_config", "init_hook")
+    ship_driver_code = _from_config("_worker_group_config", "ship_driver_code")
     worker_env = _from_config("_worker_group_config", "worker_env")
     startup_timeout_s = _from_config("_worker_group_config", "startup_timeout_s")
     use_gpu = _from_config("_worker_group_config", "use_gpu")
@@ -480,6 +496,13 @@ class RayModelParallelStrategyBase(_ShardedBase):
         return cls.flavour.model_parallel_strategy
 
     @override
+    def _check_workers(self) -> None:
+        problem = _compat.torch.cpu_fsdp2_problem(torch.__version__)
+        if not self._worker_group_config.use_gpu and problem is not None:
+            raise ConfigurationError(f"{type(self).__name__} on CPU workers: {problem}")
+        super()._check_workers()
+
+    @override
     def teardown(self) -> None:
         """Runs on each worker. Lightning's teardown, then the process groups of this call's
         device mesh are destroyed: warm workers would otherwise gain a set on every call."""
@@ -583,6 +606,61 @@ def _resources(
 
 
 @functools.cache
+def _joins_a_lightning_strategy(cls: type[RayStrategyBase]) -> bool:
+    try:
+        return issubclass(cls, cls.lightning_strategy())
+    except (NotImplementedError, AttributeError):  # a mixin, not yet joined
+        return False
+
+
+def _init_with_accepted_signature(cls: type[RayStrategyBase]) -> Callable[..., None]:
+    """``RayStrategyBase.__init__`` for ``cls``, whose signature (what ``help``, ``inspect`` and
+    LightningCLI read) lists the worker arguments and the Lightning strategy's (and its module
+    wrapper's) arguments that ``cls`` accepts, not ``**strategy_kwargs`` nor the owned ones."""
+    base = RayStrategyBase.__init__
+    hints = {k: v for k, v in _type_hints(base).items() if k != "strategy_kwargs"}
+    own = [
+        p.replace(annotation=hints.get(p.name, Any))
+        for p in inspect.signature(base).parameters.values()
+        if p.kind is not p.VAR_KEYWORD and p.name != "self"
+    ]
+    own.insert(0, inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    taken = {p.name for p in own} | set(_OWNED_ARGS)
+    wrapper = cls.module_wrapper()
+    sources = [vars(cls.lightning_strategy())["__init__"]]
+    sources += [] if wrapper is None else [vars(wrapper)["__init__"]]
+    accepted = []
+    for source in sources:
+        source_hints = _type_hints(source)
+        for param in inspect.signature(source).parameters.values():
+            skip = param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+            if skip or param.name in taken or param.name in _WRAPPER_ARGS_SET_BY_LIGHTNING:
+                continue
+            taken.add(param.name)
+            annotation = source_hints.get(param.name, Any)
+            accepted.append(param.replace(kind=param.KEYWORD_ONLY, annotation=annotation))
+            hints[param.name] = annotation
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base(self, *args, **kwargs)
+
+    __init__.__doc__ = base.__doc__
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__module__ = cls.__module__
+    __init__.__signature__ = inspect.Signature(own + accepted)  # type: ignore[attr-defined]
+    __init__.__annotations__ = hints
+    return __init__
+
+
+def _type_hints(function: Callable[..., Any]) -> dict[str, Any]:
+    """``function``'s annotations as types (its module's names resolved); those that cannot be
+    resolved are left out (they read as ``Any``)."""
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # noqa: BLE001 - a name only its module's type checking imports
+        return {}
+
+
 def _strategy_args(strategy: type) -> frozenset[str]:
     init = vars(strategy)["__init__"]
     return frozenset(inspect.signature(init).parameters) - {"self", "kwargs"}
@@ -632,13 +710,13 @@ def _check_strategy_kwargs(
     return kwargs
 
 
+#: Arguments of the module wrapper (DDP, FSDP) that Lightning's strategy sets itself.
+_WRAPPER_ARGS_SET_BY_LIGHTNING = frozenset(
+    {"self", "module", "device_ids", "device_id", "output_device", "process_group"}
+)
+
+
 @functools.cache
 def _module_args(module: type) -> frozenset[str]:
-    return frozenset(inspect.signature(vars(module)["__init__"]).parameters) - {
-        "self",
-        "module",
-        "device_ids",
-        "device_id",
-        "output_device",
-        "process_group",
-    }
+    params = inspect.signature(vars(module)["__init__"]).parameters
+    return frozenset(params) - _WRAPPER_ARGS_SET_BY_LIGHTNING

@@ -81,11 +81,14 @@ def _find_or_start(
                 and idle.session == session
                 and idle.backend_config == backend_config
                 and idle.worker_group_config == worker_group_config
+                and _code_fits(idle.worker_group_config, worker_group_config)
             ),
             None,
         )
         if match is not None:
             _idle.remove(match)
+        elif reuse:
+            _say_if_the_code_changed(_idle, session, backend_config, worker_group_config)
         others = list(_idle)
         _idle.clear()
     try:
@@ -112,6 +115,35 @@ def _find_or_start(
     executor = BackendExecutor(backend_config, worker_group_config)
     executor.start()  # shuts its workers down itself when it fails or is interrupted
     return executor, False
+
+
+def _code_fits(idle: WorkerGroupConfig, wanted: WorkerGroupConfig) -> bool:
+    """Whether idle workers hold the driver's code that a call needs (any, when it names none)."""
+    return wanted.driver_code is None or idle.driver_code == wanted.driver_code
+
+
+def _say_if_the_code_changed(
+    idle: list[_Idle],
+    session: tuple[str, str],
+    backend_config: BackendConfig,
+    worker_group_config: WorkerGroupConfig,
+) -> None:
+    """Logs why idle workers with the call's settings are not reused: they imported the driver's
+    code as it was when they started."""
+    new = worker_group_config.driver_code
+    for group in idle:
+        old = group.worker_group_config.driver_code
+        same = group.session == session and group.backend_config == backend_config
+        if new is None or not same or group.worker_group_config != worker_group_config:
+            continue
+        changed = new.changed_files(old) if old is not None else []
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if changed[3:] else "")
+        log.warning(
+            "The driver's code changed since the warm workers started (%s): starting new "
+            "workers, which import it as it is now",
+            shown or "its sys.path",
+        )
+        return
 
 
 def release(executor: BackendExecutor, *, keep: bool, graceful: bool = True) -> None:
@@ -156,7 +188,8 @@ def _shutdown_all() -> None:
 
 
 def shutdown(worker_group_config: WorkerGroupConfig | None = None) -> int:
-    """Driver side: shuts down idle workers (all, or those of one config); returns how many groups.
+    """Driver side: shuts down idle workers (all, or those of one config, whatever code of the
+    driver's they hold); returns how many groups.
 
     Workers that are running a call are not touched.
     """

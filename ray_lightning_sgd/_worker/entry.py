@@ -14,6 +14,7 @@ import gc
 import importlib
 import os
 import random
+import socket
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._compat.flavour import Flavour
-from ray_lightning_sgd._serialization import Packed, pack, to_cpu, unpack
+from ray_lightning_sgd._serialization import Packed, in_band, pack, to_cpu, unpack
 from ray_lightning_sgd._worker import artifacts
 from ray_lightning_sgd._worker.environment import RayEnvironmentBase
 from ray_lightning_sgd._worker.events import EventForwarderBase, close_channel, open_channel
@@ -79,6 +80,9 @@ class Payload(NamedTuple):
     resume_storage: str | None = None
     #: Where the driver expects rank 0's logs and checkpoints.
     artifacts: artifacts.Artifacts | None = None
+    #: Whether the results travel without out-of-band buffers: the driver is a Ray Client,
+    #: whose server pickles them once more and cannot pickle the buffers Ray hands it.
+    results_in_band: bool = False
 
 
 class RankZeroResults(NamedTuple):
@@ -199,9 +203,29 @@ def run_on_worker(packed: Packed, imports: Sequence[str] = ()) -> Packed:
     imported before the payload is unpickled, see :func:`_freeze_what_imports_built`.
     """
     _freeze_what_imports_built(imports)
-    payload: Payload = unpack(packed)
+    try:
+        payload: Payload = unpack(packed)
+    except ModuleNotFoundError as err:
+        raise _cannot_import(err) from err
     del packed
-    return pack(_run_payload(payload))
+    results = pack(_run_payload(payload))
+    return in_band(results) if payload.results_in_band else results
+
+
+def _cannot_import(err: ModuleNotFoundError) -> ModuleNotFoundError:
+    """Runs on a worker that cannot import a module that the driver's objects need: the error
+    names the module, this worker's node and what makes the module importable here."""
+    import ray
+
+    node = f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"
+    error = ModuleNotFoundError(
+        f"a worker on node {node} cannot import {err.name!r}, which the driver's Trainer, model "
+        f"or data need ({err}). Install it on every node (pip install), or, for the driver's own "
+        "code, keep ship_driver_code=True (the default): the driver's modules imported from "
+        "folders outside site-packages reach every worker",
+        name=err.name,
+    )
+    return error
 
 
 def _freeze_what_imports_built(imports: Sequence[str]) -> None:

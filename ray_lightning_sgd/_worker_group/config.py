@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from ray_lightning_sgd._worker_group.code import DriverCode
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -27,6 +28,9 @@ class WorkerGroupConfig:
         worker_env: Environment variables set in each worker process before it starts.
         init_hook: A function run on every worker once it has started.
         startup_timeout_s: How long to wait for the cluster to place and start all workers.
+        ship_driver_code: Whether the driver's own code (see :mod:`.code`) goes to the workers.
+        driver_code: That code, as the driver had it when the group was asked for (the launcher
+            fills it in at each call; None: nothing of the driver's).
     """
 
     num_workers: int = 1
@@ -35,6 +39,9 @@ class WorkerGroupConfig:
     worker_env: Mapping[str, str] = field(default_factory=dict)
     init_hook: Callable[[], None] | None = None
     startup_timeout_s: float = 60.0
+    ship_driver_code: bool = True
+    #: not compared: equal settings are equal configs (the pool compares the code on its own)
+    driver_code: DriverCode | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int):
@@ -78,6 +85,10 @@ class WorkerGroupConfig:
                     f"worker_env must map str to str, got {key!r}: {value!r}; "
                     "convert the value with str()"
                 )
+        if not isinstance(self.ship_driver_code, bool):
+            raise ConfigurationError(
+                f"ship_driver_code must be True or False, got {self.ship_driver_code!r}"
+            )
         if self.init_hook is not None and not callable(self.init_hook):
             raise ConfigurationError(f"init_hook must be callable, got {self.init_hook!r}")
         if isinstance(self.startup_timeout_s, bool) or not isinstance(

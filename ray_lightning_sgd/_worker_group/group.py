@@ -27,7 +27,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_lightning_sgd._worker_group import cluster
+from ray_lightning_sgd._worker_group import cluster, code
 from ray_lightning_sgd._worker_group.config import NAME_PREFIX, WorkerGroupConfig
 from ray_lightning_sgd._worker_group.context import WorkerContext, set_context
 from ray_lightning_sgd._worker_group.errors import (
@@ -173,10 +173,15 @@ class WorkerGroup:
             self._started = []
             self._get(
                 [
-                    worker.actor.execute.remote(
-                        set_context, worker.context, devices[worker.metadata.node_id]
-                    )
+                    ref
                     for worker in self._workers
+                    for ref in (
+                        # the driver's code first: init_hook may come from it
+                        worker.actor.execute.remote(code.adopt, config.driver_code),
+                        worker.actor.execute.remote(
+                            set_context, worker.context, devices[worker.metadata.node_id]
+                        ),
+                    )
                 ],
                 timeout_s=remaining(deadline),
                 what="start the workers",

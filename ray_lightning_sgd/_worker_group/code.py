@@ -1,0 +1,255 @@
+"""The driver's own code on the workers: what the driver can import, every worker can import.
+
+The driver's own modules are those it imported through the folders of its ``sys.path`` outside the
+standard library and site-packages: a project folder added to ``sys.path`` by a script or notebook,
+the script's folder, the working directory. :func:`snapshot` (driver side) finds them and describes
+them as one :class:`DriverCode`, which travels in the worker group's config; :func:`adopt` runs on
+each worker before anything of the driver's is unpickled:
+
+- workers on the driver's node put the driver's own ``sys.path`` folders first on theirs, in the
+  driver's order, so they import the very files the driver imported;
+- when workers may run on other nodes (the cluster has several, or the driver is a Ray Client), the
+  modules (each top-level package's folder, or a module's file) travel as one zip archive through
+  Ray's object store; each node unpacks it once per content hash into a folder of its temporary
+  directory, which those workers put first on their ``sys.path``.
+
+(Ray's own ``py_modules`` would do the second part too, but before Ray 2.60 it takes local folders
+only in ``ray.init``, not in an actor's options; the object store works the same on every Ray.)
+
+The modules' files (path, modification time, size) are part of the description: when the driver's
+code changes between two calls, warm workers, which imported the old code, are not reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import logging
+import os
+import shutil
+import site
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ray_lightning_sgd.exceptions import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+#: The most the driver ships of its own code to other nodes: more is data, not code.
+SHIP_LIMIT_BYTES = 100 * 2**20
+#: Modules that every worker has (they run this package) and that are never shipped.
+_NEVER_SHIPPED = ("ray_lightning_sgd", "ray", "__main__", "__mp_main__")
+#: Folders inside shipped packages that are never code.
+_SKIPPED_FOLDERS = ("__pycache__", ".git", ".ipynb_checkpoints")
+
+
+@dataclass(frozen=True)
+class DriverCode:
+    """The driver's own code, as the workers need it.
+
+    Args:
+        node_id: The driver's Ray node (None: a Ray Client driver, on no node of the cluster).
+        sys_path: The driver's own ``sys.path`` folders, in its order.
+        files: Each of the driver's own modules' files: path, modification time (ns), size.
+        shipped: What goes to workers on other nodes (package folders and module files); empty
+            when every worker runs on the driver's node.
+        digest: The archive's content hash (its folder's name on each node).
+        archive: The archive (zip bytes) in Ray's object store; not compared: equal code is equal
+            whatever copy of it the object store holds.
+    """
+
+    node_id: str | None
+    sys_path: tuple[str, ...]
+    files: tuple[tuple[str, int, int], ...]
+    shipped: tuple[str, ...] = ()
+    digest: str = ""
+    archive: Any = field(default=None, compare=False, repr=False)
+
+    def changed_files(self, older: DriverCode) -> list[str]:
+        """The files that are new, gone or modified since ``older``."""
+        return sorted({path for path, _, _ in set(self.files) ^ set(older.files)})
+
+
+def snapshot(node_id: str | None, ship: bool) -> DriverCode:
+    """Driver side: the driver's own code now.
+
+    Args:
+        node_id: The driver's Ray node (None: a Ray Client driver).
+        ship: Whether workers may run on nodes other than the driver's: the modules then travel
+            through Ray's runtime environment.
+
+    Raises:
+        ConfigurationError: The code to ship is larger than :data:`SHIP_LIMIT_BYTES`.
+    """
+    libraries = _library_folders()
+    sys_path = tuple(folder for folder in _resolved(sys.path) if not _under(folder, libraries))
+    own = _own_modules(sys.modules, sys_path, libraries)
+    files = []
+    for path in own.values():
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        files.append((path, stat.st_mtime_ns, stat.st_size))
+    files_now = tuple(sorted(files))
+    shipped = tuple(_top_levels(own, sys_path)) if ship else ()
+    if not shipped:
+        return DriverCode(node_id, sys_path, files_now)
+    digest, archive = _archive(shipped, files_now)
+    return DriverCode(node_id, sys_path, files_now, shipped, digest, archive)
+
+
+#: The last archive put into the object store: (its shipped entries and files, digest, ref).
+_last_archive: tuple[Any, str, Any] | None = None
+
+
+def _archive(shipped: tuple[str, ...], files: tuple[tuple[str, int, int], ...]) -> tuple[str, Any]:
+    """Driver side: the shipped entries as one zip archive in Ray's object store, and its content
+    hash; the same code as last time reuses the archive already there."""
+    import ray
+
+    global _last_archive
+    key = (shipped, files)
+    if _last_archive is not None and _last_archive[0] == key:
+        return _last_archive[1], _last_archive[2]
+    members = _members(shipped)
+    buffer = io.BytesIO()
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, path in members:
+            data = Path(path).read_bytes()
+            digest.update(name.encode() + b"\0" + data + b"\0")
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            archive.writestr(info, data, zipfile.ZIP_DEFLATED)
+    ref = ray.put(buffer.getvalue())
+    _last_archive = (key, digest.hexdigest()[:16], ref)
+    return _last_archive[1], ref
+
+
+def _members(shipped: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(name in the archive, file) of everything shipped; refuses more than the limit."""
+    members: list[tuple[str, str]] = []
+    for entry in shipped:
+        if os.path.isfile(entry):
+            members.append((os.path.basename(entry), entry))
+            continue
+        root = os.path.dirname(entry)
+        for folder, dirs, names in os.walk(entry):
+            dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_FOLDERS)
+            for name in sorted(names):
+                if not name.endswith((".pyc", ".pyo")):
+                    path = os.path.join(folder, name)
+                    members.append((os.path.relpath(path, root), path))
+    sizes = {path: os.path.getsize(path) for _, path in members}
+    total = sum(sizes.values())
+    if total > SHIP_LIMIT_BYTES:
+        largest = sorted(sizes.items(), key=lambda item: -item[1])[:3]
+        raise ConfigurationError(
+            f"the driver's own code to ship to the workers ({', '.join(shipped)}) is "
+            f"{total / 2**20:.0f} MiB, more than the limit of {SHIP_LIMIT_BYTES / 2**20:.0f} "
+            f"MiB; largest files: {', '.join(f'{p} ({s / 2**20:.0f} MiB)' for p, s in largest)}. "
+            "Move data out of the code's folders, or install the code on every node (pip "
+            "install, a shared folder) and pass ship_driver_code=False"
+        )
+    return members
+
+
+def adopt(code: DriverCode | None) -> None:
+    """Runs on each worker, before anything of the driver's is unpickled: on the driver's node,
+    puts the driver's own ``sys.path`` folders first, in the driver's order; on another node, the
+    shipped modules' folder (unpacked once per node and content)."""
+    import ray
+
+    if code is None:
+        return
+    if code.node_id == ray.get_runtime_context().get_node_id():
+        folders = [folder for folder in code.sys_path if os.path.isdir(folder)]
+    elif code.archive is not None:
+        folders = [_unpacked(code)]
+    else:
+        return
+    sys.path[:] = folders + [entry for entry in sys.path if entry not in folders]
+    importlib.invalidate_caches()
+
+
+def _unpacked(code: DriverCode) -> str:
+    """Runs on a worker: the folder that holds the shipped modules on this node."""
+    import ray
+
+    target = os.path.join(tempfile.gettempdir(), "ray_lightning_sgd-code", code.digest)
+    if os.path.isdir(target):
+        return target  # another worker of this node unpacked it, in this call or an earlier one
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=f".{code.digest}-")
+    with zipfile.ZipFile(io.BytesIO(ray.get(code.archive))) as archive:
+        archive.extractall(staging)
+    try:
+        os.rename(staging, target)  # whole or not at all, for the workers that look meanwhile
+    except OSError:  # another worker of this node was first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _library_folders() -> tuple[str, ...]:
+    """The folders of the standard library and of installed packages."""
+    paths = sysconfig.get_paths()
+    folders = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    folders.update(site.getsitepackages())
+    folders.add(site.getusersitepackages())
+    return tuple(os.path.realpath(f) for f in folders if f)
+
+
+def _resolved(entries: Iterable[str]) -> list[str]:
+    """``sys.path``'s folders as absolute real paths ('' is the current folder), each once."""
+    seen: list[str] = []
+    for entry in entries:
+        folder = os.path.realpath(entry or os.curdir)
+        if os.path.isdir(folder) and folder not in seen:
+            seen.append(folder)
+    return seen
+
+
+def _under(path: str, folders: Iterable[str]) -> bool:
+    return any(path == f or path.startswith(f.rstrip(os.sep) + os.sep) for f in folders)
+
+
+def _own_modules(
+    modules: Mapping[str, ModuleType | None], folders: tuple[str, ...], libraries: tuple[str, ...]
+) -> dict[str, str]:
+    """The imported modules (name: real file path) that the driver found through its own
+    ``sys.path`` ``folders``, outside the standard library and site-packages; modules loaded
+    from a file by path (not importable by name anywhere) are not among them."""
+    own = {}
+    for name, module in list(modules.items()):
+        file = getattr(module, "__file__", None)
+        if module is None or not file or name.split(".")[0] in _NEVER_SHIPPED:
+            continue
+        if not os.path.isabs(file) or not os.path.isfile(file):
+            continue  # a module that no file made (torch.ops names a file it never had)
+        path = os.path.realpath(file)
+        if _under(path, folders) and not _under(path, libraries):
+            own[name] = path
+    return own
+
+
+def _top_levels(own: Mapping[str, str], folders: tuple[str, ...]) -> list[str]:
+    """What ships the modules: each top-level package's folder, or a top-level module's file."""
+    shipped: list[str] = []
+    for name in sorted({name.split(".")[0] for name in own}):
+        top = sys.modules.get(name)
+        entries = list(getattr(top, "__path__", None) or [])
+        if not entries and name in own:
+            entries = [own[name]]
+        for entry in entries:
+            path = os.path.realpath(str(entry))
+            if _under(path, folders) and path not in shipped:
+                shipped.append(path)
+    return shipped
