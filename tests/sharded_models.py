@@ -105,6 +105,11 @@ def main() -> None:
     if os.environ.get("LOCAL_RANK", "0") == "0":
         torch.save(weights, out / "weights.part")
         os.replace(out / "weights.part", out / "weights.pt")
+    # both processes leave the process group before they exit: gloo's threads, left running at
+    # interpreter exit, ended the process with SIGABRT once in a while
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

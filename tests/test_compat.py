@@ -308,3 +308,12 @@ def test_ray_finds_the_address_to_join_where_expected(monkeypatch):
         )
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6553")
     assert _compat_ray.address_to_join().endswith(":6553")
+
+
+def test_ray_tells_a_client_driver_from_a_connected_one(ray_cluster):
+    # a driver connected directly is no client (tests/test_client.py drives a real client, whose
+    # results would hang the driver if this did not say True there)
+    assert _compat.ray.driver_is_a_client() is False
+    from ray.util.client import ray as client
+
+    assert callable(client.is_connected)

@@ -220,6 +220,9 @@ def test_repeated_calls_leave_nothing_behind(ray_cluster):
         ({"progress_timeout_s": 0}, "progress_timeout_s must be a number of seconds > 0"),
         ({"checkpoint_every_n_epochs": 0}, "checkpoint_every_n_epochs must be an int >= 1"),
         ({"checkpoint_storage": ""}, "checkpoint_storage must be a path or fsspec URI"),
+        ({"run_name": "digits"}, "run_name='digits' needs checkpoint_storage"),
+        ({"run_name": "../up", "checkpoint_storage": "/r"}, "run_name must be a folder name"),
+        ({"keep_last": 0}, "keep_last must be an int >= 1"),
     ],
 )
 def test_bad_failure_settings_fail_in_the_constructor(kwargs, message):

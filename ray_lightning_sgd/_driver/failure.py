@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,8 @@ from ray_lightning_sgd.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
     pass
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -24,12 +27,23 @@ class FailureConfig:
         checkpoint_every_n_epochs: How often the resume checkpoint is written when restarts are on.
         checkpoint_storage: Where rank 0 writes it: a local path or an fsspec URI that the
             workers can write and read; None: its bytes go to the driver's node.
+        run_name: Names the run's folder of ``checkpoint_storage``: a new driver running ``fit``
+            with the same name resumes from the run's latest resume checkpoint (the driver died).
+            None: each launch has a folder of its own, removed when its ``fit`` ends.
+        keep_last: How many resume checkpoints of a named run are kept (older ones are deleted).
     """
 
     max_failures: int = 0
     progress_timeout_s: float | None = None
     checkpoint_every_n_epochs: int = 1
     checkpoint_storage: str | None = None
+    run_name: str | None = None
+    keep_last: int = 2
+
+    @property
+    def writes_resume_checkpoints(self) -> bool:
+        """Whether a ``fit`` writes resume checkpoints: for restarts, or for a named run."""
+        return bool(self.max_failures) or self.run_name is not None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_failures) or self.max_failures < -1:
@@ -57,6 +71,19 @@ class FailureConfig:
                 "checkpoint_storage must be a path or fsspec URI (a non-empty str), or None, got "
                 f"{self.checkpoint_storage!r}"
             )
+        if self.run_name is not None:
+            if not isinstance(self.run_name, str) or not _RUN_NAME.fullmatch(self.run_name):
+                raise ConfigurationError(
+                    "run_name must be a folder name of letters, digits, '.', '_' and '-' (not "
+                    f"starting with '.'), got {self.run_name!r}"
+                )
+            if self.checkpoint_storage is None:
+                raise ConfigurationError(
+                    f"run_name={self.run_name!r} needs checkpoint_storage: the place where a new "
+                    "driver finds the run's resume checkpoints (a path or URI every worker reaches)"
+                )
+        if not _is_int(self.keep_last) or self.keep_last < 1:
+            raise ConfigurationError(f"keep_last must be an int >= 1, got {self.keep_last!r}")
 
 
 def _is_int(value: Any) -> bool:

@@ -30,6 +30,7 @@ import ray
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat
+from ray_lightning_sgd._driver import runs
 from ray_lightning_sgd._driver.checks import check_trainer, pack_payload
 from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
@@ -102,12 +103,21 @@ class RayLauncherBase(_Base):
         inbox = _inbox_for(trainer, callbacks, failure)
         mirror = artifacts.prepare(trainer) if trainer is not None else None
         attempt_numbers = itertools.count()
+        storage = _run_folder(failure.checkpoint_storage, run_id, failure.run_name)
+        first: ResumePoint | None = None
+        if fitting and failure.run_name is not None and storage is not None:
+            model = args[0] if args else kwargs.get("model")
+            settings = runs.run_settings(strategy, model)
+            first = runs.resume_named_run(storage, failure.run_name, settings)
         template = Payload(
             trainer, function, args, kwargs, GlobalState.capture(), call_id=run_id,
             forward_events=bool(callbacks),
             report_progress=failure.progress_timeout_s is not None and trainer is not None,
-            resume_every_n_epochs=failure.checkpoint_every_n_epochs if failure.max_failures else 0,
-            resume_storage=_run_folder(failure.checkpoint_storage, run_id), artifacts=mirror,
+            resume_every_n_epochs=(
+                failure.checkpoint_every_n_epochs if failure.writes_resume_checkpoints else 0
+            ),
+            resume_storage=storage, resume_keep_last=failure.keep_last,
+            resume_storage_kept=failure.run_name is not None, artifacts=mirror,
             results_in_band=_compat.ray.driver_is_a_client(),
         )  # fmt: skip
 
@@ -123,14 +133,14 @@ class RayLauncherBase(_Base):
                 start=start,
                 run=functools.partial(self._run_attempt, inbox=inbox),
                 stop=functools.partial(self._stop_attempt, inbox=inbox),
-                resume_point=lambda: inbox.resume if fitting and inbox is not None else None,
+                resume_point=lambda: (inbox.resume or first) if fitting and inbox else None,
             ),
             max_failures=failure.max_failures,
             on_restart=on_restart,
         )
         try:
             with _sigterm_raises(strategy.flavour.sigterm_exception):
-                outputs = controller.run()
+                outputs = controller.run(resume=first)
         except BaseException as err:
             if inbox is not None and inbox.replay is not None:
                 inbox.replay.fail(err)
@@ -244,10 +254,13 @@ def _driver_code() -> code.DriverCode:
     return code.snapshot(node_id, ship=others)
 
 
-def _run_folder(storage: str | None, run_id: str) -> str | None:
-    """This launch's own folder of ``checkpoint_storage``: runs that share the storage (Tune
-    trials) never overwrite each other's resume checkpoints."""
-    return None if storage is None else f"{storage.rstrip('/')}/run-{run_id}"
+def _run_folder(storage: str | None, run_id: str, run_name: str | None) -> str | None:
+    """The run's folder of ``checkpoint_storage``: a named run's, which a new driver finds, or
+    this launch's own: runs that share the storage (Tune trials) never overwrite each other's
+    resume checkpoints."""
+    if storage is None:
+        return None
+    return f"{storage.rstrip('/')}/{run_name if run_name is not None else f'run-{run_id}'}"
 
 
 def _finish_artifacts(mirror: Any) -> None:

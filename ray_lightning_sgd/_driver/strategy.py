@@ -103,6 +103,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         checkpoint_every_n_epochs: Epochs between resume checkpoints.
         checkpoint_storage: Where the resume checkpoint goes (a local path or fsspec URI that
             every worker can reach); None sends its bytes to the driver's node.
+        run_name: Names the run: its resume checkpoints go to ``<checkpoint_storage>/<run_name>``
+            (written every ``checkpoint_every_n_epochs`` epochs, also without ``max_failures``),
+            and a new driver whose ``fit`` has the same name resumes from the latest of them,
+            after the previous driver died; refused when the stored run trains another model or
+            strategy. Without it, each launch's checkpoints are its own and removed at its end.
+        keep_last: How many resume checkpoints of a run are kept in the storage.
         driver_callbacks: Callbacks that run on the driver while the workers train, called with
             rank 0's live events: setup and teardown, each stage's and epoch's start and end,
             and each batch (``outputs`` and ``batch`` are None; ``trainer`` shows rank 0's
@@ -146,6 +152,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         progress_timeout_s: float | None = None,
         checkpoint_every_n_epochs: int = 1,
         checkpoint_storage: str | None = None,
+        run_name: str | None = None,
+        keep_last: int = 2,
         driver_callbacks: list[Any] | None = None,
         ship_driver_code: bool = True,
         **strategy_kwargs: Any,
@@ -155,6 +163,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             progress_timeout_s=progress_timeout_s,
             checkpoint_every_n_epochs=checkpoint_every_n_epochs,
             checkpoint_storage=checkpoint_storage,
+            run_name=run_name,
+            keep_last=keep_last,
         )
         self._driver_callbacks = list(driver_callbacks or [])
         for callback in self._driver_callbacks:
@@ -281,6 +291,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     progress_timeout_s = _from_config("_failure_config", "progress_timeout_s")
     checkpoint_every_n_epochs = _from_config("_failure_config", "checkpoint_every_n_epochs")
     checkpoint_storage = _from_config("_failure_config", "checkpoint_storage")
+    run_name = _from_config("_failure_config", "run_name")
+    keep_last = _from_config("_failure_config", "keep_last")
 
     @property
     def num_cpus_per_worker(self) -> float:

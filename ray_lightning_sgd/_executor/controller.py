@@ -91,11 +91,11 @@ class RunController(Generic[E, R, P]):
         #: How many attempts lost a worker.
         self.failures = 0
 
-    def run(self) -> R:
-        """Runs attempts until one succeeds (returns its result) or the run fails (raises)."""
+    def run(self, resume: P | None = None) -> R:
+        """Runs attempts until one succeeds (returns its result) or the run fails (raises); the
+        first attempt resumes from ``resume`` (None: from the start)."""
         if self.state is not RunState.NEW:
             raise RaySGDError(f"a run controller runs once; this one is {self.state.value}")
-        resume: P | None = None
         while True:
             self.state = RunState.RUNNING
             try:

@@ -78,6 +78,10 @@ class Payload(NamedTuple):
     #: Where rank 0 writes them: this launch's own folder of ``checkpoint_storage`` (runs that
     #: share the storage, Tune trials, never overwrite each other's), or None: to the driver.
     resume_storage: str | None = None
+    #: How many resume checkpoints rank 0 keeps in ``resume_storage`` (older ones are deleted).
+    resume_keep_last: int = 2
+    #: Whether the storage folder outlives the fit (a named run, which a new driver resumes).
+    resume_storage_kept: bool = False
     #: Where the driver expects rank 0's logs and checkpoints.
     artifacts: artifacts.Artifacts | None = None
     #: Whether the results travel without out-of-band buffers: the driver is a Ray Client,
@@ -275,7 +279,14 @@ def _run_payload(payload: Payload) -> WorkerOutput:
             ours.append(_callback_class(flavour, ProgressReporterBase)())
         if fitting and payload.resume_every_n_epochs:
             resume_callback = _callback_class(flavour, ResumeCheckpointBase)
-            ours.append(resume_callback(payload.resume_every_n_epochs, payload.resume_storage))
+            ours.append(
+                resume_callback(
+                    payload.resume_every_n_epochs,
+                    payload.resume_storage,
+                    keep_last=payload.resume_keep_last,
+                    keep_folder=payload.resume_storage_kept,
+                )
+            )
         if fitting and payload.resume is not None:
             resume_file = materialise(payload.resume)
             args, kwargs = _compat.with_ckpt_path(payload.function, args, kwargs, resume_file)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -49,14 +50,23 @@ class ResumeCheckpointBase:
     whose bytes go to the driver.
     """
 
-    def __init__(self, every_n_epochs: int, storage: str | None) -> None:
+    def __init__(
+        self,
+        every_n_epochs: int,
+        storage: str | None,
+        keep_last: int = 2,
+        keep_folder: bool = False,
+    ) -> None:
         super().__init__()
         self._every = every_n_epochs
         self._storage = storage
+        self._keep_last = keep_last
+        self._keep_folder = keep_folder
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # the run is over: its resume checkpoint (in its own folder of the storage) is not needed
-        if self._storage is not None and trainer.global_rank == 0:
+        # the launch is over: its own folder of the storage is not needed (a named run's stays,
+        # for the next driver that runs it)
+        if self._storage is not None and not self._keep_folder and trainer.global_rank == 0:
             import fsspec  # only where a storage is used
 
             try:
@@ -72,9 +82,12 @@ class ResumeCheckpointBase:
         # a sharded strategy saves this checkpoint whole (see RayStrategyBase.resume_checkpoints)
         whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
         if self._storage is not None:
-            uri = self._storage.rstrip("/") + "/resume.ckpt"
+            name = checkpoint_name(trainer.current_epoch, trainer.global_step)
+            uri = f"{self._storage.rstrip('/')}/{name}"
             with whole:
                 trainer.save_checkpoint(uri)
+            if trainer.global_rank == 0:
+                _delete_all_but_last(self._storage, self._keep_last)
             point = ResumePoint(trainer.current_epoch, trainer.global_step, uri=uri)
         else:
             fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
@@ -97,6 +110,44 @@ class ResumeCheckpointBase:
                     point.epoch,
                     _DELIVERY_WAIT_S,
                 )
+
+
+#: How a resume checkpoint in a storage is named: its epoch and global step.
+_CHECKPOINT_NAME = re.compile(r"resume-epoch=(\d+)-step=(\d+)\.ckpt")
+
+
+def checkpoint_name(epoch: int, global_step: int) -> str:
+    """The file name of the resume checkpoint of ``epoch`` in a storage folder."""
+    return f"resume-epoch={epoch}-step={global_step}.ckpt"
+
+
+def stored_points(storage: str) -> list[ResumePoint]:
+    """The resume checkpoints in a storage folder (a path or fsspec URI), oldest first."""
+    import fsspec
+
+    filesystem, path = fsspec.core.url_to_fs(storage)
+    if not filesystem.exists(path):
+        return []
+    points = []
+    for entry in filesystem.ls(path, detail=False):
+        found = _CHECKPOINT_NAME.fullmatch(str(entry).rstrip("/").rsplit("/", 1)[-1])
+        if found:
+            epoch, step = int(found[1]), int(found[2])
+            uri = f"{storage.rstrip('/')}/{checkpoint_name(epoch, step)}"
+            points.append(ResumePoint(epoch, step, uri=uri))
+    return sorted(points, key=lambda point: (point.epoch, point.global_step))
+
+
+def _delete_all_but_last(storage: str, keep_last: int) -> None:
+    """Runs on rank 0. Deletes the storage's resume checkpoints older than the last ``keep_last``."""
+    import fsspec
+
+    for point in stored_points(storage)[:-keep_last]:
+        try:
+            filesystem, path = fsspec.core.url_to_fs(str(point.uri))
+            filesystem.rm(path, recursive=True)  # a sharded checkpoint may be a folder
+        except Exception as err:  # noqa: BLE001 - a stale checkpoint is no reason to stop training
+            log.warning("Could not delete the old resume checkpoint %s: %s", point.uri, err)
 
 
 def _read(path: str) -> bytes:

@@ -117,7 +117,10 @@ def _archive(shipped: tuple[str, ...], files: tuple[tuple[str, int, int], ...]) 
     import ray
 
     global _last_archive
-    key = (shipped, files)
+    context = ray.get_runtime_context()
+    # an object lives as long as its cluster and its driver's connection: the same code in a new
+    # session is put again
+    key = (shipped, files, context.get_job_id(), context.get_node_id())
     if _last_archive is not None and _last_archive[0] == key:
         return _last_archive[1], _last_archive[2]
     members = _members(shipped)
