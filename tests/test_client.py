@@ -33,6 +33,7 @@ DRIVER = textwrap.dedent(
     import torch
     from torch.utils.data import DataLoader, TensorDataset
     from ray_lightning_sgd import RaySGDStrategy
+    import tests.helpers  # the driver's own code: a client driver ships it to the workers
 
     class Model(pl.LightningModule):
         def __init__(self, fail=False):
@@ -53,6 +54,8 @@ DRIVER = textwrap.dedent(
             return self.layer(batch[0])
         def on_fit_end(self):
             print(f"worker pid {os.getpid()} weights {self.layer.weight.sum().item():.6f}")
+            import tests.helpers as helpers
+            print("helpers from", helpers.__file__)
         def on_validation_end(self):
             print(f"worker pid {os.getpid()} validated")
         def configure_optimizers(self):
@@ -128,17 +131,19 @@ def test_fit_validate_predict_and_errors_through_ray_client(client_address):
         return found[0].split(prefix, 1)[1].strip()
 
     # the workers' output reaches the driver, and their weights are the driver's after fit
-    worker = [
-        line for line in lines if line.startswith("[rank 0] worker pid") and "weights" in line
-    ]
+    # (a progress bar's last line may precede a line: the rest of it is what the line says)
+    worker = [line for line in lines if "[rank 0] worker pid" in line and "weights" in line]
     assert worker, out + result.stderr[-3000:]
-    worker = worker[0]
-    pid, weights = worker.split()[4], worker.split()[-1]
+    words = worker[0].split("[rank 0] worker pid", 1)[1].split()
+    pid, weights = words[0], words[-1]
     assert value("driver weights") == weights, out
     assert value("driver loss") == "True", out
     assert "'val_loss'" in value("driver validate"), out
     assert value("driver predictions") == "32", out
     # validate ran on the warm workers of fit
     assert f"[rank 0] worker pid {pid} validated" in out, out
+    # the driver's own package reached the workers through the object store (the driver is on
+    # no node of the cluster), unpacked in a folder of the node's temporary directory
+    assert "/ray_lightning_sgd-code-" in value("[rank 0] helpers from"), out
     assert value("driver error") == "ValueError a user error on a worker", out
     assert "Epoch 1" in out + result.stderr  # the progress bar, on the driver

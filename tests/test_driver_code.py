@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
+import ray
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
 from ray_lightning_sgd._worker_group import code
@@ -82,7 +83,7 @@ def test_the_snapshot_holds_the_drivers_own_code_only(ray_cluster, project):
     import edited_model  # noqa: F401
 
     local = code.snapshot("node-a", ship=False)
-    assert local.sys_path[0] == os.path.realpath(project) and local.shipped == ()
+    assert local.sys_path[0] == os.path.realpath(project) and local.archive is None
     files = [path for path, _, _ in local.files]
     assert os.path.realpath(project / "edited_model.py") in files
     # installed packages and this package are never the driver's own code
@@ -109,6 +110,22 @@ def test_code_too_large_to_ship_is_refused_with_its_size(tmp_path, monkeypatch):
         with pytest.raises(ConfigurationError, match=r"is 101 MiB, more than the limit of 100 MiB"):
             code.snapshot("node-a", ship=True)
         # nothing is shipped within one node: nothing to refuse
-        assert code.snapshot("node-a", ship=False).shipped == ()
+        assert code.snapshot("node-a", ship=False).archive is None
     finally:
         sys.modules.pop("bigproject", None)
+
+
+def test_workers_of_the_drivers_node_keep_its_folders_before_or_after_the_packages(
+    ray_cluster, tmp_path, monkeypatch
+):
+    front, back = tmp_path / "front", tmp_path / "back"
+    front.mkdir()
+    back.mkdir()
+    monkeypatch.setattr(sys, "path", [str(front), *sys.path, str(back)])
+    snapshot = code.snapshot(ray.get_runtime_context().get_node_id(), ship=False)
+    assert snapshot.sys_path[0] == str(front) and snapshot.sys_path[-1] == str(back)
+    # a worker's sys.path, as Ray starts it: the driver's folders take their places in it
+    monkeypatch.setattr(sys, "path", ["/worker/site-packages"])
+    code.adopt(snapshot)
+    assert sys.path[0] == str(front) and sys.path[-1] == str(back)
+    assert sys.path.index("/worker/site-packages") < sys.path.index(str(back))

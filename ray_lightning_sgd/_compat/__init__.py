@@ -9,6 +9,7 @@ from __future__ import annotations
 from ray_lightning_sgd._compat import ray, torch
 from ray_lightning_sgd._compat.lightning import (
     ConfigureLauncher,
+    ckpt_path_of,
     committed_metrics,
     end_after_tuner_exit,
     launcher_interface,
@@ -26,6 +27,7 @@ from ray_lightning_sgd._compat.ray import bind_local_ray_to_loopback
 __all__ = [
     "ConfigureLauncher",
     "bind_local_ray_to_loopback",
+    "ckpt_path_of",
     "committed_metrics",
     "end_after_tuner_exit",
     "launcher_interface",

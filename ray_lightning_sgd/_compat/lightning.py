@@ -88,6 +88,14 @@ def with_ckpt_path(
     return bound.args, bound.kwargs
 
 
+def ckpt_path_of(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Driver side: the ``ckpt_path`` that the Trainer's entry point was called with (None)."""
+    bound = inspect.signature(function).bind_partial(*args, **kwargs)
+    return bound.arguments.get("ckpt_path")
+
+
 def mark_loop_finished(loop: Any) -> None:
     """Driver side: a loop whose state came from rank 0 finished there; it is not resuming
     (``restarting`` is a property of Lightning's private loop base class)."""

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import signal
 import threading
 import uuid
@@ -101,7 +102,6 @@ class RayLauncherBase(_Base):
         run_id = uuid.uuid4().hex[:12]
         callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
         inbox = _inbox_for(trainer, callbacks, failure)
-        mirror = artifacts.prepare(trainer) if trainer is not None else None
         attempt_numbers = itertools.count()
         storage = _run_folder(failure.checkpoint_storage, run_id, failure.run_name)
         first: ResumePoint | None = None
@@ -109,6 +109,15 @@ class RayLauncherBase(_Base):
             model = args[0] if args else kwargs.get("model")
             settings = runs.run_settings(strategy, model)
             first = runs.resume_named_run(storage, failure.run_name, settings)
+            if first is not None and _compat.ckpt_path_of(function, args, kwargs) is not None:
+                log.warning(
+                    "fit(ckpt_path=...) is ignored: run %r resumes from its own latest resume "
+                    "checkpoint (%s); pass another run_name to start from ckpt_path",
+                    failure.run_name,
+                    first.uri,
+                )
+        # after the checks that may refuse the call: nothing of it is left on the driver's disk
+        mirror = artifacts.prepare(trainer) if trainer is not None else None
         template = Payload(
             trainer, function, args, kwargs, GlobalState.capture(), call_id=run_id,
             forward_events=bool(callbacks),
@@ -260,6 +269,8 @@ def _run_folder(storage: str | None, run_id: str, run_name: str | None) -> str |
     resume checkpoints."""
     if storage is None:
         return None
+    if "://" not in storage:  # a local path means the same folder to the driver and its workers
+        storage = os.path.abspath(storage)
     return f"{storage.rstrip('/')}/{run_name if run_name is not None else f'run-{run_id}'}"
 
 

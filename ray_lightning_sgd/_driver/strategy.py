@@ -118,8 +118,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             driver's own modules (those imported from folders outside the standard library and
             site-packages, e.g. through ``sys.path.append("../src")``) are found on the workers
             of the driver's node through the driver's ``sys.path``, in its order, and reach other
-            nodes through Ray's runtime environment (``py_modules``, cached per content). With
-            False, every node must be able to import them (installed, or a shared folder).
+            nodes as one archive through Ray's object store, unpacked once per node and content.
+            With False, every node must be able to import them (installed, or a shared folder).
         **strategy_kwargs: Passed to the Lightning strategy (see each subclass).
     """
 

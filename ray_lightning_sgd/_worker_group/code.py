@@ -22,6 +22,7 @@ code changes between two calls, warm workers, which imported the old code, are n
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import io
@@ -61,7 +62,8 @@ class DriverCode:
         files: Each of the driver's own modules' files: path, modification time (ns), size.
         shipped: What goes to workers on other nodes (package folders and module files); empty
             when every worker runs on the driver's node.
-        digest: The archive's content hash (its folder's name on each node).
+        digest: The archive's content hash (its folder's name on each node); empty until the
+            archive is made (:func:`with_archive`).
         archive: The archive (zip bytes) in Ray's object store; not compared: equal code is equal
             whatever copy of it the object store holds.
     """
@@ -72,6 +74,9 @@ class DriverCode:
     shipped: tuple[str, ...] = ()
     digest: str = ""
     archive: Any = field(default=None, compare=False, repr=False)
+    #: How many of ``sys_path``'s folders come before the driver's installed packages (the rest
+    #: come after them, as ``sys.path.append`` put them).
+    in_front: int = 0
 
     def changed_files(self, older: DriverCode) -> list[str]:
         """The files that are new, gone or modified since ``older``."""
@@ -84,13 +89,17 @@ def snapshot(node_id: str | None, ship: bool) -> DriverCode:
     Args:
         node_id: The driver's Ray node (None: a Ray Client driver).
         ship: Whether workers may run on nodes other than the driver's: the modules then travel
-            through Ray's runtime environment.
+            as an archive in Ray's object store (else the worker group makes it when it finds a
+            worker elsewhere, see :func:`with_archive`).
 
     Raises:
         ConfigurationError: The code to ship is larger than :data:`SHIP_LIMIT_BYTES`.
     """
     libraries = _library_folders()
-    sys_path = tuple(folder for folder in _resolved(sys.path) if not _under(folder, libraries))
+    resolved = _resolved(sys.path)
+    sys_path = tuple(folder for folder in resolved if not _under(folder, libraries))
+    first_library = next((i for i, f in enumerate(resolved) if _under(f, libraries)), len(resolved))
+    in_front = sum(1 for folder in resolved[:first_library] if folder in sys_path)
     own = _own_modules(sys.modules, sys_path, libraries)
     files = []
     for path in own.values():
@@ -99,31 +108,49 @@ def snapshot(node_id: str | None, ship: bool) -> DriverCode:
         except OSError:
             continue
         files.append((path, stat.st_mtime_ns, stat.st_size))
-    files_now = tuple(sorted(files))
-    shipped = tuple(_top_levels(own, sys_path)) if ship else ()
-    if not shipped:
-        return DriverCode(node_id, sys_path, files_now)
-    digest, archive = _archive(shipped, files_now)
-    return DriverCode(node_id, sys_path, files_now, shipped, digest, archive)
+    code = DriverCode(
+        node_id,
+        sys_path,
+        tuple(sorted(files)),
+        tuple(_top_levels(own, sys_path)),
+        in_front=in_front,
+    )
+    return with_archive(code) if ship else code
+
+
+def with_archive(code: DriverCode) -> DriverCode:
+    """Driver side: ``code`` with its shipped modules as one archive in Ray's object store.
+
+    Raises:
+        ConfigurationError: The code to ship is larger than :data:`SHIP_LIMIT_BYTES`.
+    """
+    if not code.shipped or code.archive is not None:
+        return code
+    digest, archive = _archive(code.shipped)
+    return dataclasses.replace(code, digest=digest, archive=archive)
 
 
 #: The last archive put into the object store: (its shipped entries and files, digest, ref).
 _last_archive: tuple[Any, str, Any] | None = None
 
 
-def _archive(shipped: tuple[str, ...], files: tuple[tuple[str, int, int], ...]) -> tuple[str, Any]:
+def _archive(shipped: tuple[str, ...]) -> tuple[str, Any]:
     """Driver side: the shipped entries as one zip archive in Ray's object store, and its content
-    hash; the same code as last time reuses the archive already there."""
+    hash; when none of the files changed since the last call, the archive already there."""
     import ray
 
     global _last_archive
+    members = _members(shipped)
+    stats = []
+    for _, path in members:
+        stat = os.stat(path)
+        stats.append((path, stat.st_mtime_ns, stat.st_size))
     context = ray.get_runtime_context()
     # an object lives as long as its cluster and its driver's connection: the same code in a new
     # session is put again
-    key = (shipped, files, context.get_job_id(), context.get_node_id())
+    key = (tuple(stats), context.get_job_id(), context.get_node_id())
     if _last_archive is not None and _last_archive[0] == key:
         return _last_archive[1], _last_archive[2]
-    members = _members(shipped)
     buffer = io.BytesIO()
     digest = hashlib.sha256()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
@@ -166,38 +193,57 @@ def _members(shipped: tuple[str, ...]) -> list[tuple[str, str]]:
 
 
 def adopt(code: DriverCode | None) -> None:
-    """Runs on each worker, before anything of the driver's is unpickled: on the driver's node,
-    puts the driver's own ``sys.path`` folders first, in the driver's order; on another node, the
-    shipped modules' folder (unpacked once per node and content)."""
+    """Runs on each worker, before anything of the driver's is unpickled. On the driver's node,
+    the driver's own ``sys.path`` folders take the places they have on the driver: before the
+    installed packages, or after them; on another node, the shipped modules' folder (unpacked once
+    per node and content) comes first.
+
+    Raises:
+        ModuleNotFoundError: On another node, when the code was not shipped (the group's start
+            makes the archive as soon as it sees a worker there).
+    """
     import ray
 
     if code is None:
         return
     if code.node_id == ray.get_runtime_context().get_node_id():
         folders = [folder for folder in code.sys_path if os.path.isdir(folder)]
+        front, back = folders[: code.in_front], folders[code.in_front :]
     elif code.archive is not None:
-        folders = [_unpacked(code)]
+        front, back = [_unpacked(code)], []
     else:
         return
-    sys.path[:] = folders + [entry for entry in sys.path if entry not in folders]
+    rest = [entry for entry in sys.path if entry not in front and entry not in back]
+    sys.path[:] = front + rest + back
     importlib.invalidate_caches()
 
 
 def _unpacked(code: DriverCode) -> str:
-    """Runs on a worker: the folder that holds the shipped modules on this node."""
+    """Runs on a worker: the folder that holds the shipped modules on this node, in a folder of
+    this user's own (mode 0700: no other user of the node can put code there)."""
     import ray
 
-    target = os.path.join(tempfile.gettempdir(), "ray_lightning_sgd-code", code.digest)
+    root = os.path.join(tempfile.gettempdir(), f"ray_lightning_sgd-code-{os.getuid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    info = os.stat(root)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"{root} (for the driver's shipped code) must belong to this user alone (mode 0700); "
+            "remove it and run again"
+        )
+    target = os.path.join(root, code.digest)
     if os.path.isdir(target):
         return target  # another worker of this node unpacked it, in this call or an earlier one
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    staging = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=f".{code.digest}-")
-    with zipfile.ZipFile(io.BytesIO(ray.get(code.archive))) as archive:
-        archive.extractall(staging)
+    staging = tempfile.mkdtemp(dir=root, prefix=f".{code.digest}-")
     try:
+        with zipfile.ZipFile(io.BytesIO(ray.get(code.archive))) as archive:
+            archive.extractall(staging)
         os.rename(staging, target)  # whole or not at all, for the workers that look meanwhile
-    except OSError:  # another worker of this node was first
-        shutil.rmtree(staging, ignore_errors=True)
+    except OSError:
+        if not os.path.isdir(target):
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone after a rename; a loser's copy
     return target
 
 

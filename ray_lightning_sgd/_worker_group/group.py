@@ -171,13 +171,18 @@ class WorkerGroup:
                 for i, meta, rank in zip(order, metadata, assign_ranks(metadata), strict=True)
             ]
             self._started = []
+            driver_code = config.driver_code
+            if driver_code is not None and any(m.node_id != driver_code.node_id for m in metadata):
+                # a worker away from the driver's node (an autoscaler's new node, say): the code
+                # travels to it, whatever the cluster looked like when the call began
+                driver_code = code.with_archive(driver_code)
             self._get(
                 [
                     ref
                     for worker in self._workers
                     for ref in (
                         # the driver's code first: init_hook may come from it
-                        worker.actor.execute.remote(code.adopt, config.driver_code),
+                        worker.actor.execute.remote(code.adopt, driver_code),
                         worker.actor.execute.remote(
                             set_context, worker.context, devices[worker.metadata.node_id]
                         ),
