@@ -46,14 +46,20 @@ class WorkerGroupError(RaySGDError):
 class WorkerDiedError(WorkerGroupError):
     """A worker's process died (or its node left the cluster) while it ran a call."""
 
-    def __init__(self, message: str, *, rank: int, node_id: str) -> None:
+    def __init__(self, message: str, *, rank: int, node_id: str, preempted: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
         self.node_id = node_id
+        #: Whether Ray reported the worker's node preempted (drained for preemption, as a spot
+        #: node or an autoscaler's drain is): such restarts count against ``max_preemptions``.
+        self.preempted = preempted
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # keyword-only arguments do not survive the default exception pickling
-        return (_rebuild_worker_died, (type(self), str(self), self.rank, self.node_id))
+        return (
+            _rebuild_worker_died,
+            (type(self), str(self), self.rank, self.node_id, self.preempted),
+        )
 
 
 class WorkerTimeoutError(WorkerGroupError, TimeoutError):
@@ -61,6 +67,6 @@ class WorkerTimeoutError(WorkerGroupError, TimeoutError):
 
 
 def _rebuild_worker_died(
-    cls: type[WorkerDiedError], message: str, rank: int, node_id: str
+    cls: type[WorkerDiedError], message: str, rank: int, node_id: str, preempted: bool = False
 ) -> WorkerDiedError:
-    return cls(message, rank=rank, node_id=node_id)
+    return cls(message, rank=rank, node_id=node_id, preempted=preempted)

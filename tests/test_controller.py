@@ -46,13 +46,22 @@ class Script:
     def resume_point(self):
         return self.resume_points.pop(0) if self.resume_points else None
 
-    def controller(self, max_failures: int = 0, on_restart=None) -> RunController:
+    def controller(
+        self, max_failures: int = 0, on_restart=None, max_preemptions: int = -1
+    ) -> RunController:
         attempts = Attempts(self.start, self.run, self.stop, self.resume_point)
-        return RunController(attempts, max_failures=max_failures, on_restart=on_restart)
+        return RunController(
+            attempts,
+            max_failures=max_failures,
+            on_restart=on_restart,
+            max_preemptions=max_preemptions,
+        )
 
 
-def died(rank: int = 1) -> WorkerDiedError:
-    return WorkerDiedError(f"the worker of rank {rank} died", rank=rank, node_id="n")
+def died(rank: int = 1, preempted: bool = False) -> WorkerDiedError:
+    return WorkerDiedError(
+        f"the worker of rank {rank} died", rank=rank, node_id="n", preempted=preempted
+    )
 
 
 def test_a_successful_attempt_keeps_its_workers():
@@ -154,3 +163,32 @@ def test_a_failing_start_stops_nothing_and_is_not_retried_unless_a_worker_died()
     with pytest.raises(OSError):
         script.controller(max_failures=2).run()
     assert script.executors == []
+
+
+def test_preemptions_restart_without_counting_against_max_failures():
+    restarts = []
+    script = Script(died(preempted=True), died(preempted=True), died(), "done")
+    controller = script.controller(max_failures=1, on_restart=lambda *a: restarts.append(a))
+    assert controller.run() == "done"
+    assert (controller.preemptions, controller.failures) == (2, 1)
+    # each restart is told its own count: preemptions 1 and 2, then failure 1
+    assert [(err.preempted, count) for err, count, _ in restarts] == [
+        (True, 1),
+        (True, 2),
+        (False, 1),
+    ]
+
+
+def test_the_run_gives_up_after_max_preemptions():
+    last = died(preempted=True)
+    script = Script(died(preempted=True), last, "never reached")
+    with pytest.raises(WorkerDiedError) as raised:
+        script.controller(max_failures=5, max_preemptions=1).run()
+    assert raised.value is last and raised.value.preempted
+
+
+def test_a_preempted_worker_error_survives_pickling():
+    import pickle
+
+    again = pickle.loads(pickle.dumps(died(rank=3, preempted=True)))
+    assert (again.rank, again.node_id, again.preempted) == (3, "n", True)

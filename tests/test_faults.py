@@ -223,6 +223,7 @@ def test_repeated_calls_leave_nothing_behind(ray_cluster):
         ({"run_name": "digits"}, "run_name='digits' needs checkpoint_storage"),
         ({"run_name": "../up", "checkpoint_storage": "/r"}, "run_name must be a folder name"),
         ({"keep_last": 0}, "keep_last must be an int >= 1"),
+        ({"max_preemptions": -2}, "max_preemptions must be an int >= 0, or -1"),
     ],
 )
 def test_bad_failure_settings_fail_in_the_constructor(kwargs, message):

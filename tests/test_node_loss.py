@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -93,3 +96,46 @@ def test_losing_a_node_fails_the_fit_within_10_seconds(head_and_worker_node, tmp
     assert f"rank {lost_rank}" in str(err)
     assert leftovers() == ([], [])
     assert trainer.interrupted
+
+
+def test_a_preempted_node_restarts_the_fit_without_counting_a_failure(
+    head_and_worker_node, tmp_path, caplog
+):
+    cluster, worker_node = head_and_worker_node
+    drained: list[str] = []
+
+    def preempt_the_worker_node() -> None:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # what an autoscaler does to a spot node it was told about: drain for preemption, then
+        # the node goes away
+        result = subprocess.run(
+            [str(Path(sys.executable).with_name("ray")), "drain-node",
+             f"--address={cluster.address}", f"--node-id={worker_node.node_id}",
+             "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot instance reclaimed",
+             "--deadline-remaining-seconds=1"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        drained.append(result.stdout + result.stderr)
+        cluster.remove_node(worker_node, allow_graceful=False)
+
+    preempter = threading.Thread(target=preempt_the_worker_node, daemon=True)
+    preempter.start()
+    # max_failures=0: a worker failure would end the fit; a preemption restarts it (no limit)
+    strategy = RaySGDStrategy(
+        num_workers=2, num_cpus_per_worker=0.5, placement_strategy="SPREAD", reuse_workers=False
+    )
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", max_epochs=8, enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        trainer.fit(NodeReporter(str(tmp_path)), loader())
+    preempter.join()
+    nodes = {p.read_text() for p in tmp_path.glob("rank-*")}
+    assert worker_node.node_id in nodes or drained, "no rank ran on the preempted node"
+    assert trainer.global_step == 8 * 6  # the restarted fit ran to its end
+    assert "Restart 1 (no limit) after a preemption" in caplog.text, (caplog.text, drained)
+    assert "its node was preempted" in caplog.text
+    assert leftovers() == ([], [])

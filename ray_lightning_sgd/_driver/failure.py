@@ -22,6 +22,9 @@ class FailureConfig:
     Args:
         max_failures: How often to restart the whole group after a worker died (0: never, -1: no
             limit). ``fit`` resumes from the run's latest resume checkpoint.
+        max_preemptions: How often to restart after Ray reported a worker's node preempted
+            (drained for preemption: a spot node, an autoscaler's drain); these do not count
+            against ``max_failures``. -1 (default): no limit; 0: never.
         progress_timeout_s: Raise ``WorkerTimeoutError`` when a rank reports no progress (a batch,
             a stage) for this long; None: never.
         checkpoint_every_n_epochs: How often the resume checkpoint is written when restarts are on.
@@ -34,6 +37,7 @@ class FailureConfig:
     """
 
     max_failures: int = 0
+    max_preemptions: int = -1
     progress_timeout_s: float | None = None
     checkpoint_every_n_epochs: int = 1
     checkpoint_storage: str | None = None
@@ -49,6 +53,11 @@ class FailureConfig:
         if not _is_int(self.max_failures) or self.max_failures < -1:
             raise ConfigurationError(
                 f"max_failures must be an int >= 0, or -1 for no limit, got {self.max_failures!r}"
+            )
+        if not _is_int(self.max_preemptions) or self.max_preemptions < -1:
+            raise ConfigurationError(
+                "max_preemptions must be an int >= 0, or -1 for no limit, got "
+                f"{self.max_preemptions!r}"
             )
         timeout = self.progress_timeout_s
         if timeout is not None and (

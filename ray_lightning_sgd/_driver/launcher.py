@@ -135,7 +135,7 @@ class RayLauncherBase(_Base):
             return self._start_attempt(template._replace(call_id=call_id, resume=resume))
 
         def on_restart(err: WorkerDiedError, failures: int, resume: Any) -> None:
-            _log_restart(err, failures, resume, failure.max_failures, fitting)
+            _log_restart(err, failures, resume, failure, fitting)
 
         controller = RunController(
             Attempts(
@@ -146,6 +146,7 @@ class RayLauncherBase(_Base):
             ),
             max_failures=failure.max_failures,
             on_restart=on_restart,
+            max_preemptions=failure.max_preemptions,
         )
         try:
             with _sigterm_raises(strategy.flavour.sigterm_exception):
@@ -333,14 +334,18 @@ def _log_restart(
     err: WorkerDiedError,
     failures: int,
     resume: ResumePoint | None,
-    max_failures: int,
+    failure: FailureConfig,
     fitting: bool,
 ) -> None:
-    limit = "no limit" if max_failures == -1 else f"of max_failures={max_failures}"
+    name, budget = ("max_failures", failure.max_failures)
+    if err.preempted:
+        name, budget = ("max_preemptions", failure.max_preemptions)
+    limit = "no limit" if budget == -1 else f"of {name}={budget}"
     if not fitting:
         where = "running the call again"
     elif resume is None:
         where = "fit starts over: no resume checkpoint was written yet"
     else:
         where = f"fit resumes after epoch {resume.epoch} (global step {resume.global_step})"
-    log.warning("Restart %d (%s) after a worker failure: %s; %s", failures, limit, err, where)
+    cause = "a preemption" if err.preempted else "a worker failure"
+    log.warning("Restart %d (%s) after %s: %s; %s", failures, limit, cause, err, where)

@@ -98,6 +98,11 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             or node was lost; an exception in user code is never retried); -1 for no limit.
             ``fit`` resumes from the latest resume checkpoint, which the strategy writes every
             ``checkpoint_every_n_epochs`` epochs when restarts are on.
+        max_preemptions: Restart this many times after Ray reported a worker's node preempted
+            (drained for preemption: a spot node, an autoscaler's drain), without counting
+            against ``max_failures``; -1 (default): no limit, 0: never. Like any restart, ``fit``
+            resumes from the latest resume checkpoint if one is written (``max_failures`` or
+            ``run_name``), else starts over.
         progress_timeout_s: Raise ``WorkerTimeoutError`` naming the rank when a rank makes no
             progress (no batch, no stage) for this long: a deadlock or an endless loop.
         checkpoint_every_n_epochs: Epochs between resume checkpoints.
@@ -149,6 +154,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         startup_timeout_s: float = 60,
         reuse_workers: bool = True,
         max_failures: int = 0,
+        max_preemptions: int = -1,
         progress_timeout_s: float | None = None,
         checkpoint_every_n_epochs: int = 1,
         checkpoint_storage: str | None = None,
@@ -160,6 +166,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     ) -> None:
         self._failure_config = FailureConfig(
             max_failures=max_failures,
+            max_preemptions=max_preemptions,
             progress_timeout_s=progress_timeout_s,
             checkpoint_every_n_epochs=checkpoint_every_n_epochs,
             checkpoint_storage=checkpoint_storage,
@@ -288,6 +295,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     startup_timeout_s = _from_config("_worker_group_config", "startup_timeout_s")
     use_gpu = _from_config("_worker_group_config", "use_gpu")
     max_failures = _from_config("_failure_config", "max_failures")
+    max_preemptions = _from_config("_failure_config", "max_preemptions")
     progress_timeout_s = _from_config("_failure_config", "progress_timeout_s")
     checkpoint_every_n_epochs = _from_config("_failure_config", "checkpoint_every_n_epochs")
     checkpoint_storage = _from_config("_failure_config", "checkpoint_storage")

@@ -14,7 +14,8 @@ NEW -> RUNNING -> SUCCEEDED
         FAILED
 ```
 
-Only a lost worker (:class:`WorkerDiedError`) is retried; an exception raised by user code on a
+Only a lost worker (:class:`WorkerDiedError`) is retried, within ``max_failures``, or within
+``max_preemptions`` when Ray reported its node preempted; an exception raised by user code on a
 rank is raised at once, as a retry would raise it again. An error while stopping the executor never
 replaces the error that ended the attempt: it is added to it as a note.
 
@@ -73,7 +74,8 @@ class RunController(Generic[E, R, P]):
     Args:
         attempts: How to start, run and stop each attempt.
         max_failures: How many lost-worker restarts are allowed (0: none, -1: no limit), as
-            validated by ``FailureConfig``.
+            validated by ``FailureConfig``; preemptions do not count.
+        max_preemptions: How many restarts after a preempted node are allowed (-1: no limit).
         on_restart: Called before each restart with the error, the number of failures so far
             and the resume point (for the user's log).
     """
@@ -83,13 +85,17 @@ class RunController(Generic[E, R, P]):
         attempts: Attempts[E, R, P],
         max_failures: int = 0,
         on_restart: Callable[[WorkerDiedError, int, P | None], None] | None = None,
+        max_preemptions: int = -1,
     ) -> None:
         self._attempts = attempts
         self._max_failures = max_failures
+        self._max_preemptions = max_preemptions
         self._on_restart = on_restart
         self.state = RunState.NEW
-        #: How many attempts lost a worker.
+        #: How many attempts lost a worker (not to a preemption).
         self.failures = 0
+        #: How many attempts lost a worker to a preempted node.
+        self.preemptions = 0
 
     def run(self, resume: P | None = None) -> R:
         """Runs attempts until one succeeds (returns its result) or the run fails (raises); the
@@ -101,7 +107,10 @@ class RunController(Generic[E, R, P]):
             try:
                 result = self._attempt(resume)
             except WorkerDiedError as err:
-                self.failures += 1
+                if err.preempted:
+                    self.preemptions += 1
+                else:
+                    self.failures += 1
                 if not self._may_restart():
                     self.state = RunState.FAILED
                     raise
@@ -112,7 +121,8 @@ class RunController(Generic[E, R, P]):
                     self.state = RunState.FAILED
                     raise
                 if self._on_restart is not None:
-                    self._on_restart(err, self.failures, resume)
+                    count = self.preemptions if err.preempted else self.failures
+                    self._on_restart(err, count, resume)
                 continue
             except BaseException:
                 self.state = RunState.FAILED
@@ -121,7 +131,9 @@ class RunController(Generic[E, R, P]):
             return result
 
     def _may_restart(self) -> bool:
-        return self._max_failures == -1 or self.failures <= self._max_failures
+        failures_ok = self._max_failures == -1 or self.failures <= self._max_failures
+        preemptions_ok = self._max_preemptions == -1 or self.preemptions <= self._max_preemptions
+        return failures_ok and preemptions_ok
 
     def _attempt(self, resume: P | None) -> R:
         executor = self._attempts.start(resume)

@@ -88,11 +88,16 @@ def translate(err: RayError, metadata: Sequence[WorkerMetadata], actor_id: str) 
         actor_id = err.actor_id
     index = next((i for i, m in enumerate(metadata) if m.actor_id == actor_id), None)
     meta = metadata[index] if index is not None else None
+    # Ray says so when the node was drained for preemption (a spot node, an autoscaler's drain)
+    preempted = bool(getattr(err, "preempted", False))
     what = "died" if died else "was lost"
+    if preempted:
+        what = "died: its node was preempted"
     return WorkerDiedError(
         f"the worker of {_where(meta, index)} {what}: {err}",
         rank=-1 if index is None else index,
         node_id="" if meta is None else meta.node_id,
+        preempted=preempted,
     )
 
 
