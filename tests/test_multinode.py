@@ -111,8 +111,11 @@ def test_the_drivers_own_module_reaches_a_node_that_lacks_it(two_nodes, tmp_path
         return trainer
 
     try:
-        with pytest.raises(ModuleNotFoundError, match=r"on node .* cannot import 'shipped_model'"):
+        with pytest.raises(
+            ModuleNotFoundError, match=r"on node .* cannot import 'shipped_model'"
+        ) as raised:
             fit(ship_driver_code=False, reuse_workers=False)
+        assert "keep ship_driver_code=True" in str(raised.value)
         metrics = fit(reuse_workers=False).callback_metrics
     finally:
         sys.modules.pop("shipped_model", None)

@@ -27,16 +27,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def head_and_worker_node():
-    ray.shutdown()  # this test removes a node: it needs a cluster of its own
+@pytest.fixture(scope="module")
+def head_node():
+    ray.shutdown()  # these tests remove nodes: they need a cluster of their own
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    worker_node = cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster, worker_node
+    yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture
+def head_and_worker_node(head_node):
+    """The module's head node and a new worker node, which the test removes."""
+    worker_node = head_node.add_node(num_cpus=1)
+    head_node.wait_for_nodes()
+    yield head_node, worker_node
+    if worker_node in head_node.worker_nodes:
+        head_node.remove_node(worker_node, allow_graceful=False)
 
 
 class NodeReporter(TinyModel):
@@ -51,7 +59,8 @@ class NodeReporter(TinyModel):
         Path(self.folder, f"rank-{self.global_rank}").write_text(node)
 
     def training_step(self, batch, batch_idx):
-        time.sleep(0.1)
+        if not Path(self.folder, "node-removed").exists():  # slow only until the node is gone
+            time.sleep(0.1)
         return super().training_step(batch, batch_idx)
 
 
@@ -119,6 +128,7 @@ def test_a_preempted_node_restarts_the_fit_without_counting_a_failure(
         )  # fmt: skip
         drained.append(result.stdout + result.stderr)
         cluster.remove_node(worker_node, allow_graceful=False)
+        (tmp_path / "node-removed").touch()
 
     preempter = threading.Thread(target=preempt_the_worker_node, daemon=True)
     preempter.start()
@@ -133,7 +143,7 @@ def test_a_preempted_node_restarts_the_fit_without_counting_a_failure(
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
         trainer.fit(NodeReporter(str(tmp_path)), loader())
     preempter.join()
-    nodes = {p.read_text() for p in tmp_path.glob("rank-*")}
+    nodes = {p.read_text() for p in tmp_path.glob("rank-*")}  # (the restart overwrote them)
     assert worker_node.node_id in nodes or drained, "no rank ran on the preempted node"
     assert trainer.global_step == 8 * 6  # the restarted fit ran to its end
     assert "Restart 1 (no limit) after a preemption" in caplog.text, (caplog.text, drained)

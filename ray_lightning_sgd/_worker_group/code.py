@@ -130,7 +130,7 @@ def with_archive(code: DriverCode) -> DriverCode:
     return dataclasses.replace(code, digest=digest, archive=archive)
 
 
-#: The last archive put into the object store: (its shipped entries and files, digest, ref).
+#: The last archive put into the object store: (its files' stats and session, digest, ref).
 _last_archive: tuple[Any, str, Any] | None = None
 
 
@@ -196,12 +196,8 @@ def adopt(code: DriverCode | None) -> None:
     """Runs on each worker, before anything of the driver's is unpickled. On the driver's node,
     the driver's own ``sys.path`` folders take the places they have on the driver: before the
     installed packages, or after them; on another node, the shipped modules' folder (unpacked once
-    per node and content) comes first.
-
-    Raises:
-        ModuleNotFoundError: On another node, when the code was not shipped (the group's start
-            makes the archive as soon as it sees a worker there).
-    """
+    per node and content) comes first (the group's start makes the archive as soon as it sees a
+    worker there; without one, nothing changes, and what cannot be imported says so later)."""
     import ray
 
     if code is None:
