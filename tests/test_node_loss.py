@@ -48,15 +48,31 @@ def head_and_worker_node(head_node):
 
 
 class NodeReporter(TinyModel):
-    """Writes each rank's node id to a folder, then trains slowly enough to be caught mid-fit."""
+    """Writes each rank's node id to a folder (in the first attempt: a restart leaves the files),
+    then trains slowly enough to be caught mid-fit."""
 
     def __init__(self, folder: str) -> None:
         super().__init__()
         self.folder = folder
 
     def on_train_start(self) -> None:
-        node = ray.get_runtime_context().get_node_id()
-        Path(self.folder, f"rank-{self.global_rank}").write_text(node)
+        report = Path(self.folder, f"rank-{self.global_rank}")
+        if not report.exists():
+            report.write_text(ray.get_runtime_context().get_node_id())
+
+
+def _once_both_ranks_train(folder: Path, action) -> threading.Thread:
+    """Runs ``action`` in a thread once both ranks of a NodeReporter fit have reported."""
+
+    def wait_then_act() -> None:
+        deadline = time.monotonic() + 60
+        while len(list(folder.glob("rank-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        action()
+
+    thread = threading.Thread(target=wait_then_act, daemon=True)
+    thread.start()
+    return thread
 
     def training_step(self, batch, batch_idx):
         if not Path(self.folder, "node-removed").exists():  # slow only until the node is gone
@@ -70,15 +86,11 @@ def test_losing_a_node_fails_the_fit_within_10_seconds(head_and_worker_node, tmp
     removed_at: list[float] = []
 
     def remove_the_worker_node() -> None:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("rank-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
         time.sleep(1)  # both ranks are in the training loop
         removed_at.append(time.monotonic())
         cluster.remove_node(worker_node, allow_graceful=graceful)
 
-    remover = threading.Thread(target=remove_the_worker_node, daemon=True)
-    remover.start()
+    remover = _once_both_ranks_train(tmp_path, remove_the_worker_node)
     strategy = RaySGDStrategy(
         num_workers=2, placement_strategy="STRICT_SPREAD", reuse_workers=False
     )
@@ -107,6 +119,10 @@ def test_losing_a_node_fails_the_fit_within_10_seconds(head_and_worker_node, tmp
     assert trainer.interrupted
 
 
+#: Long enough (0.1 s a step until the node is gone) that the first attempt outlasts the drain
+EPOCHS = 30
+
+
 def test_a_preempted_node_restarts_the_fit_without_counting_a_failure(
     head_and_worker_node, tmp_path, caplog
 ):
@@ -114,9 +130,6 @@ def test_a_preempted_node_restarts_the_fit_without_counting_a_failure(
     drained: list[str] = []
 
     def preempt_the_worker_node() -> None:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("rank-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
         # what an autoscaler does to a spot node it was told about: drain for preemption, then
         # the node goes away
         result = subprocess.run(
@@ -130,22 +143,21 @@ def test_a_preempted_node_restarts_the_fit_without_counting_a_failure(
         cluster.remove_node(worker_node, allow_graceful=False)
         (tmp_path / "node-removed").touch()
 
-    preempter = threading.Thread(target=preempt_the_worker_node, daemon=True)
-    preempter.start()
+    preempter = _once_both_ranks_train(tmp_path, preempt_the_worker_node)
     # max_failures=0: a worker failure would end the fit; a preemption restarts it (no limit)
     strategy = RaySGDStrategy(
         num_workers=2, num_cpus_per_worker=0.5, placement_strategy="SPREAD", reuse_workers=False
     )
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", max_epochs=8, enable_checkpointing=False,
+        strategy=strategy, accelerator="cpu", max_epochs=EPOCHS, enable_checkpointing=False,
         **quiet_trainer_kwargs(),
     )  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
         trainer.fit(NodeReporter(str(tmp_path)), loader())
     preempter.join()
-    nodes = {p.read_text() for p in tmp_path.glob("rank-*")}  # (the restart overwrote them)
-    assert worker_node.node_id in nodes or drained, "no rank ran on the preempted node"
-    assert trainer.global_step == 8 * 6  # the restarted fit ran to its end
+    nodes = {p.read_text() for p in tmp_path.glob("rank-*")}  # the first attempt's
+    assert worker_node.node_id in nodes, "no rank ran on the preempted node"
+    assert trainer.global_step == EPOCHS * 6  # the restarted fit ran to its end
     assert "Restart 1 (no limit) after a preemption" in caplog.text, (caplog.text, drained)
     assert "its node was preempted" in caplog.text
     assert leftovers() == ([], [])

@@ -142,7 +142,9 @@ class RayLauncherBase(_Base):
                 start=start,
                 run=functools.partial(self._run_attempt, inbox=inbox),
                 stop=functools.partial(self._stop_attempt, inbox=inbox),
-                resume_point=lambda: (inbox.resume or first) if fitting and inbox else None,
+                resume_point=lambda: (
+                    (inbox.resume or first) if fitting and inbox is not None else None
+                ),
             ),
             max_failures=failure.max_failures,
             on_restart=on_restart,

@@ -640,26 +640,12 @@ def _init_with_accepted_signature(cls: type[RayStrategyBase]) -> Callable[..., N
     base = RayStrategyBase.__init__
     hints = {k: v for k, v in _type_hints(base).items() if k != "strategy_kwargs"}
     own = [
-        p.replace(annotation=hints.get(p.name, Any))
+        p if p.name == "self" else p.replace(annotation=hints.get(p.name, Any))
         for p in inspect.signature(base).parameters.values()
-        if p.kind is not p.VAR_KEYWORD and p.name != "self"
+        if p.kind is not p.VAR_KEYWORD
     ]
-    own.insert(0, inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD))
-    taken = {p.name for p in own} | set(_OWNED_ARGS)
-    wrapper = cls.module_wrapper()
-    sources = [vars(cls.lightning_strategy())["__init__"]]
-    sources += [] if wrapper is None else [vars(wrapper)["__init__"]]
-    accepted = []
-    for source in sources:
-        source_hints = _type_hints(source)
-        for param in inspect.signature(source).parameters.values():
-            skip = param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
-            if skip or param.name in taken or param.name in _WRAPPER_ARGS_SET_BY_LIGHTNING:
-                continue
-            taken.add(param.name)
-            annotation = source_hints.get(param.name, Any)
-            accepted.append(param.replace(kind=param.KEYWORD_ONLY, annotation=annotation))
-            hints[param.name] = annotation
+    accepted = _passed_on(cls.lightning_strategy(), cls.module_wrapper())
+    hints.update({p.name: p.annotation for p in accepted})
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         base(self, *args, **kwargs)
@@ -667,7 +653,7 @@ def _init_with_accepted_signature(cls: type[RayStrategyBase]) -> Callable[..., N
     __init__.__doc__ = base.__doc__
     __init__.__qualname__ = f"{cls.__qualname__}.__init__"
     __init__.__module__ = cls.__module__
-    __init__.__signature__ = inspect.Signature(own + accepted)  # type: ignore[attr-defined]
+    __init__.__signature__ = inspect.Signature([*own, *accepted])  # type: ignore[attr-defined]
     __init__.__annotations__ = hints
     return __init__
 
@@ -679,11 +665,6 @@ def _type_hints(function: Callable[..., Any]) -> dict[str, Any]:
         return typing.get_type_hints(function)
     except Exception:  # noqa: BLE001 - a name only its module's type checking imports
         return {}
-
-
-def _strategy_args(strategy: type) -> frozenset[str]:
-    init = vars(strategy)["__init__"]
-    return frozenset(inspect.signature(init).parameters) - {"self", "kwargs"}
 
 
 def _defaults(function: Callable[..., Any]) -> dict[str, Any]:
@@ -710,7 +691,7 @@ def _check_strategy_kwargs(
     An argument given with its default value is dropped: LightningCLI passes every argument it
     finds behind ``**kwargs`` with its default.
     """
-    module_args = frozenset() if module is None else _module_args(module)
+    accepted = {p.name for p in _passed_on(strategy, module)}
     defaults = {
         **(_defaults(vars(module)["__init__"]) if module is not None else {}),
         **_defaults(vars(strategy)["__init__"]),
@@ -721,11 +702,10 @@ def _check_strategy_kwargs(
             raise ConfigurationError(
                 f"{name} does not take {key}={kwargs[key]!r}: {_OWNED_ARGS[key]}"
             )
-        if key not in _strategy_args(strategy) and key not in module_args:
-            accepted = sorted((_strategy_args(strategy) | module_args) - set(_OWNED_ARGS))
+        if key not in accepted:
             raise ConfigurationError(
                 f"{name} got an unknown argument {key}={kwargs[key]!r}; besides the worker "
-                f"arguments it takes {', '.join(accepted)}"
+                f"arguments it takes {', '.join(sorted(accepted))}"
             )
     return kwargs
 
@@ -737,6 +717,19 @@ _WRAPPER_ARGS_SET_BY_LIGHTNING = frozenset(
 
 
 @functools.cache
-def _module_args(module: type) -> frozenset[str]:
-    params = inspect.signature(vars(module)["__init__"]).parameters
-    return frozenset(params) - _WRAPPER_ARGS_SET_BY_LIGHTNING
+def _passed_on(strategy: type, module: type | None) -> tuple[inspect.Parameter, ...]:
+    """The arguments of the Lightning ``strategy`` and of the ``module`` wrapper it builds that
+    ours take and pass on (not those it owns, nor those Lightning sets on the wrapper itself), as
+    keyword-only parameters with their types."""
+    passed: dict[str, inspect.Parameter] = {}
+    for source in [strategy] + ([] if module is None else [module]):
+        init = vars(source)["__init__"]
+        hints = _type_hints(init)
+        for param in inspect.signature(init).parameters.values():
+            variadic = param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+            left_out = param.name in _OWNED_ARGS or param.name in _WRAPPER_ARGS_SET_BY_LIGHTNING
+            if variadic or left_out or param.name in passed:
+                continue
+            annotation = hints.get(param.name, Any)
+            passed[param.name] = param.replace(kind=param.KEYWORD_ONLY, annotation=annotation)
+    return tuple(passed.values())

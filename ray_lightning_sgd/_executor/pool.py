@@ -81,14 +81,14 @@ def _find_or_start(
                 and idle.session == session
                 and idle.backend_config == backend_config
                 and idle.worker_group_config == worker_group_config
-                and _code_fits(idle.worker_group_config, worker_group_config)
             ),
             None,
         )
+        if match is not None and not _code_fits(match.worker_group_config, worker_group_config):
+            _say_the_code_changed(match.worker_group_config, worker_group_config)
+            match = None  # its workers imported the driver's code as it was
         if match is not None:
             _idle.remove(match)
-        elif reuse:
-            _say_if_the_code_changed(_idle, session, backend_config, worker_group_config)
         others = list(_idle)
         _idle.clear()
     try:
@@ -122,28 +122,19 @@ def _code_fits(idle: WorkerGroupConfig, wanted: WorkerGroupConfig) -> bool:
     return wanted.driver_code is None or idle.driver_code == wanted.driver_code
 
 
-def _say_if_the_code_changed(
-    idle: list[_Idle],
-    session: tuple[str, str],
-    backend_config: BackendConfig,
-    worker_group_config: WorkerGroupConfig,
-) -> None:
-    """Logs why idle workers with the call's settings are not reused: they imported the driver's
-    code as it was when they started."""
-    new = worker_group_config.driver_code
-    for group in idle:
-        old = group.worker_group_config.driver_code
-        same = group.session == session and group.backend_config == backend_config
-        if new is None or not same or group.worker_group_config != worker_group_config:
-            continue
-        changed = new.changed_files(old) if old is not None else []
-        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if changed[3:] else "")
-        log.warning(
-            "The driver's code changed since the warm workers started (%s): starting new "
-            "workers, which import it as it is now",
-            shown or "its sys.path",
-        )
-        return
+def _say_the_code_changed(idle: WorkerGroupConfig, wanted: WorkerGroupConfig) -> None:
+    """Logs why idle workers with the call's settings are not reused."""
+    changed = (
+        []
+        if idle.driver_code is None or wanted.driver_code is None
+        else (wanted.driver_code.changed_files(idle.driver_code))
+    )
+    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if changed[3:] else "")
+    log.warning(
+        "The driver's code changed since the warm workers started (%s): starting new workers, "
+        "which import it as it is now",
+        shown or "its sys.path",
+    )
 
 
 def release(executor: BackendExecutor, *, keep: bool, graceful: bool = True) -> None:

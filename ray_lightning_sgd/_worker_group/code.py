@@ -23,6 +23,7 @@ code changes between two calls, warm workers, which imported the old code, are n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import io
@@ -97,8 +98,9 @@ def snapshot(node_id: str | None, ship: bool) -> DriverCode:
     """
     libraries = _library_folders()
     resolved = _resolved(sys.path)
-    sys_path = tuple(folder for folder in resolved if not _under(folder, libraries))
-    first_library = next((i for i, f in enumerate(resolved) if _under(f, libraries)), len(resolved))
+    in_libraries = [_under(folder, libraries) for folder in resolved]
+    sys_path = tuple(f for f, library in zip(resolved, in_libraries, strict=True) if not library)
+    first_library = in_libraries.index(True) if True in in_libraries else len(resolved)
     in_front = sum(1 for folder in resolved[:first_library] if folder in sys_path)
     own = _own_modules(sys.modules, sys_path, libraries)
     files = []
@@ -141,20 +143,16 @@ def _archive(shipped: tuple[str, ...]) -> tuple[str, Any]:
 
     global _last_archive
     members = _members(shipped)
-    stats = []
-    for _, path in members:
-        stat = os.stat(path)
-        stats.append((path, stat.st_mtime_ns, stat.st_size))
     context = ray.get_runtime_context()
     # an object lives as long as its cluster and its driver's connection: the same code in a new
     # session is put again
-    key = (tuple(stats), context.get_job_id(), context.get_node_id())
+    key = (tuple(members), context.get_job_id(), context.get_node_id())
     if _last_archive is not None and _last_archive[0] == key:
         return _last_archive[1], _last_archive[2]
     buffer = io.BytesIO()
     digest = hashlib.sha256()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        for name, path in members:
+        for name, path, _, _ in members:
             data = Path(path).read_bytes()
             digest.update(name.encode() + b"\0" + data + b"\0")
             info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
@@ -164,12 +162,13 @@ def _archive(shipped: tuple[str, ...]) -> tuple[str, Any]:
     return _last_archive[1], ref
 
 
-def _members(shipped: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(name in the archive, file) of everything shipped; refuses more than the limit."""
-    members: list[tuple[str, str]] = []
+def _members(shipped: tuple[str, ...]) -> list[tuple[str, str, int, int]]:
+    """(name in the archive, file, modification time in ns, size) of everything shipped;
+    refuses more than the limit."""
+    files: list[tuple[str, str]] = []
     for entry in shipped:
         if os.path.isfile(entry):
-            members.append((os.path.basename(entry), entry))
+            files.append((os.path.basename(entry), entry))
             continue
         root = os.path.dirname(entry)
         for folder, dirs, names in os.walk(entry):
@@ -177,10 +176,14 @@ def _members(shipped: tuple[str, ...]) -> list[tuple[str, str]]:
             for name in sorted(names):
                 if not name.endswith((".pyc", ".pyo")):
                     path = os.path.join(folder, name)
-                    members.append((os.path.relpath(path, root), path))
-    sizes = {path: os.path.getsize(path) for _, path in members}
-    total = sum(sizes.values())
+                    files.append((os.path.relpath(path, root), path))
+    members = []
+    for name, path in files:
+        stat = os.stat(path)
+        members.append((name, path, stat.st_mtime_ns, stat.st_size))
+    total = sum(size for *_, size in members)
     if total > SHIP_LIMIT_BYTES:
+        sizes = {path: size for _, path, _, size in members}
         largest = sorted(sizes.items(), key=lambda item: -item[1])[:3]
         raise ConfigurationError(
             f"the driver's own code to ship to the workers ({', '.join(shipped)}) is "
@@ -243,6 +246,7 @@ def _unpacked(code: DriverCode) -> str:
     return target
 
 
+@functools.cache
 def _library_folders() -> tuple[str, ...]:
     """The folders of the standard library and of installed packages."""
     paths = sysconfig.get_paths()
@@ -262,8 +266,13 @@ def _resolved(entries: Iterable[str]) -> list[str]:
     return seen
 
 
-def _under(path: str, folders: Iterable[str]) -> bool:
-    return any(path == f or path.startswith(f.rstrip(os.sep) + os.sep) for f in folders)
+def _under(path: str, folders: tuple[str, ...]) -> bool:
+    return path in folders or path.startswith(_prefixes(folders))
+
+
+@functools.cache
+def _prefixes(folders: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f.rstrip(os.sep) + os.sep for f in folders)
 
 
 def _own_modules(
@@ -277,12 +286,19 @@ def _own_modules(
         file = getattr(module, "__file__", None)
         if module is None or not file or name.split(".")[0] in _NEVER_SHIPPED:
             continue
-        if not os.path.isabs(file) or not os.path.isfile(file):
-            continue  # a module that no file made (torch.ops names a file it never had)
-        path = os.path.realpath(file)
-        if _under(path, folders) and not _under(path, libraries):
+        path = _real_file(file)
+        if path is not None and _under(path, folders) and not _under(path, libraries):
             own[name] = path
     return own
+
+
+@functools.cache
+def _real_file(file: str) -> str | None:
+    """A module's ``__file__`` as a real path; None for a file that does not exist (torch.ops
+    names one it never had). Cached: each launch looks at every imported module (thousands)."""
+    if not os.path.isabs(file) or not os.path.isfile(file):
+        return None
+    return os.path.realpath(file)
 
 
 def _top_levels(own: Mapping[str, str], folders: tuple[str, ...]) -> list[str]:
