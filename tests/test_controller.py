@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_lightning_sgd._executor.controller import Attempts, RunController, RunState
+from ray_lightning_sgd._executor.controller import Attempts, Regroup, RunController, RunState
 from ray_lightning_sgd.exceptions import RaySGDError, WorkerDiedError
 
 
@@ -176,6 +176,23 @@ def test_preemptions_restart_without_counting_against_max_failures():
         (True, 1),
         (True, 2),
         (False, 1),
+    ]
+
+
+def test_a_regroup_restarts_from_its_resume_point_without_counting_a_failure():
+    restarts = []
+    script = Script(Regroup("room for more"), died(), Regroup("again"), "done",
+                    resume_points=["epoch 3", "epoch 4", "epoch 6"])  # fmt: skip
+    controller = script.controller(max_failures=1, on_restart=lambda *a: restarts.append(a))
+    assert controller.run() == "done"
+    assert (controller.regroups, controller.failures, controller.preemptions) == (2, 1, 0)
+    assert script.resumed_from == [None, "epoch 3", "epoch 4", "epoch 6"]
+    # a regrouped attempt's workers are stopped, not kept: the next one starts other workers
+    assert [e.stopped for e in script.executors] == [False, False, False, True]
+    assert [(type(err).__name__, count) for err, count, _ in restarts] == [
+        ("Regroup", 1),
+        ("WorkerDiedError", 1),
+        ("Regroup", 2),
     ]
 
 

@@ -60,6 +60,11 @@ class NodeReporter(TinyModel):
         if not report.exists():
             report.write_text(ray.get_runtime_context().get_node_id())
 
+    def training_step(self, batch, batch_idx):
+        if not Path(self.folder, "node-removed").exists():  # slow only until the node is gone
+            time.sleep(0.1)
+        return super().training_step(batch, batch_idx)
+
 
 def _once_both_ranks_train(folder: Path, action) -> threading.Thread:
     """Runs ``action`` in a thread once both ranks of a NodeReporter fit have reported."""
@@ -73,11 +78,6 @@ def _once_both_ranks_train(folder: Path, action) -> threading.Thread:
     thread = threading.Thread(target=wait_then_act, daemon=True)
     thread.start()
     return thread
-
-    def training_step(self, batch, batch_idx):
-        if not Path(self.folder, "node-removed").exists():  # slow only until the node is gone
-            time.sleep(0.1)
-        return super().training_step(batch, batch_idx)
 
 
 @pytest.mark.parametrize("graceful", [False, True], ids=["node-killed", "node-drained"])
@@ -160,4 +160,87 @@ def test_a_preempted_node_restarts_the_fit_without_counting_a_failure(
     assert trainer.global_step == EPOCHS * 6  # the restarted fit ran to its end
     assert "Restart 1 (no limit) after a preemption" in caplog.text, (caplog.text, drained)
     assert "its node was preempted" in caplog.text
+    assert leftovers() == ([], [])
+
+
+class EpochSizeReporter(NodeReporter):
+    """Also notes, at each epoch's start, how many workers train it (the attempt that trains an
+    epoch last overwrites what a lost one noted); slow while a single worker trains."""
+
+    def on_train_epoch_start(self) -> None:
+        if self.global_rank == 0:
+            Path(self.folder, f"epoch-{self.current_epoch}").write_text(
+                str(self.trainer.world_size)
+            )
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.2 if self.trainer.world_size == 1 else 0.02)
+        return TinyModel.training_step(self, batch, batch_idx)
+
+
+ELASTIC_EPOCHS = 12
+
+
+def test_an_elastic_fit_shrinks_when_a_node_is_lost_and_grows_when_one_comes_back(
+    head_and_worker_node, tmp_path, caplog
+):
+    cluster, worker_node = head_and_worker_node
+    strategy = RaySGDStrategy(
+        num_workers=(1, 2), max_failures=1, resize_interval_s=1, reuse_workers=False
+    )
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", max_epochs=ELASTIC_EPOCHS,
+        enable_checkpointing=False, **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    failed: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit(EpochSizeReporter(str(tmp_path)), loader())
+        except BaseException as err:  # noqa: BLE001  (the main thread raises it)
+            failed.append(err)
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert fitting.is_alive(), f"the fit ended before {what}: {failed}"
+            assert time.monotonic() < deadline, f"no {what} within 60 s"
+            time.sleep(0.05)
+
+    # the fit runs in a thread: Cluster adds nodes from the main thread only
+    fitting = threading.Thread(target=fit, daemon=True)
+    added = None
+    with caplog.at_level(logging.INFO, logger="ray_lightning_sgd"):
+        fitting.start()
+        try:
+            # the checkpoint of epoch 0 is written once epoch 1 starts
+            wait_for(lambda: (tmp_path / "epoch-1").exists(), "second epoch")
+            cluster.remove_node(worker_node, allow_graceful=False)
+            wait_for(
+                lambda: "1" in {p.read_text() for p in tmp_path.glob("epoch-*")},
+                "epoch on one worker",
+            )
+            added = cluster.add_node(num_cpus=1)  # as an autoscaler's new node joins
+            fitting.join(120)
+        finally:
+            if fitting.is_alive():
+                trainer.strategy.launcher.kill(15)  # type: ignore[union-attr]
+                fitting.join(30)
+            if added is not None:
+                cluster.remove_node(added, allow_graceful=False)
+    assert not failed, failed
+    sizes = strategy.world_sizes
+    assert trainer.current_epoch == ELASTIC_EPOCHS
+    assert sorted(sizes) == list(range(ELASTIC_EPOCHS))
+    # what rank 0 saw at each epoch's start, in the attempt that trained the epoch last
+    assert sizes == {e: int((tmp_path / f"epoch-{e}").read_text()) for e in sizes}
+    # two workers, then one after the node was lost, then two again at an epoch boundary
+    runs = [size for i, size in sorted(sizes.items()) if i == 0 or sizes[i - 1] != size]
+    assert runs == [2, 1, 2], sizes
+    # 12 batches an epoch: 6 optimizer steps on each of two workers, 12 on one
+    assert trainer.global_step == sum(12 // size for size in sizes.values())
+    assert trainer.world_size == 2
+    assert "Restart 1 (of max_failures=1) after a worker failure" in caplog.text
+    assert "Regroup 1: the cluster has room for more than 1 workers" in caplog.text
+    assert "World size by epoch: epoch" in caplog.text
     assert leftovers() == ([], [])

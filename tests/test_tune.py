@@ -81,6 +81,11 @@ def test_bundles_of_an_enclosing_group_are_chosen_or_refused():
     assert bundles_for_workers(head_and_two, {"CPU": 1}, 2) == [1, 2]
     with pytest.raises(ResourcesUnavailableError, match="tune_resources"):
         bundles_for_workers(head_and_two, {"CPU": 1, "GPU": 1}, 3)
+    # an elastic group takes the largest of its sizes that the trial's group holds
+    assert bundles_for_workers(head_and_two, {"CPU": 1, "GPU": 1}, (4, 2, 1)) == [1, 2]
+    assert bundles_for_workers(head_and_two, {"CPU": 1}, (4, 3, 2)) == [0, 1, 2]
+    with pytest.raises(ResourcesUnavailableError, match="4 workers need 4 bundles"):
+        bundles_for_workers(head_and_two, {"CPU": 1}, (8, 4))
 
 
 def test_report_hooks_are_checked():

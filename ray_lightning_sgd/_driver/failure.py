@@ -34,6 +34,8 @@ class FailureConfig:
             with the same name resumes from the run's latest resume checkpoint (the driver died).
             None: each launch has a folder of its own, removed when its ``fit`` ends.
         keep_last: How many resume checkpoints of a named run are kept (older ones are deleted).
+        resize_interval_s: How often an elastic run checks whether the cluster has room for
+            more workers.
     """
 
     max_failures: int = 0
@@ -43,6 +45,7 @@ class FailureConfig:
     checkpoint_storage: str | None = None
     run_name: str | None = None
     keep_last: int = 2
+    resize_interval_s: float = 60.0
 
     @property
     def writes_resume_checkpoints(self) -> bool:
@@ -93,6 +96,15 @@ class FailureConfig:
                 )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise ConfigurationError(f"keep_last must be an int >= 1, got {self.keep_last!r}")
+        interval = self.resize_interval_s
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, (int, float))
+            or not (math.isfinite(interval) and interval > 0)
+        ):
+            raise ConfigurationError(
+                f"resize_interval_s must be a number of seconds > 0, got {interval!r}"
+            )
 
 
 def _is_int(value: Any) -> bool:

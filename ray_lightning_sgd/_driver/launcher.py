@@ -31,7 +31,7 @@ import ray
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat
-from ray_lightning_sgd._driver import runs
+from ray_lightning_sgd._driver import elastic, runs
 from ray_lightning_sgd._driver.checks import check_trainer, pack_payload
 from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
@@ -39,7 +39,7 @@ from ray_lightning_sgd._driver.recovery import recover_results_in_driver
 from ray_lightning_sgd._driver.replay import DriverReplay
 from ray_lightning_sgd._driver.settings import LaunchSettings
 from ray_lightning_sgd._executor import pool
-from ray_lightning_sgd._executor.controller import Attempts, RunController
+from ray_lightning_sgd._executor.controller import Attempts, Regroup, RunController
 from ray_lightning_sgd._executor.executor import BackendExecutor
 from ray_lightning_sgd._serialization import unpack
 from ray_lightning_sgd._worker import artifacts
@@ -50,6 +50,7 @@ from ray_lightning_sgd._worker.entry import (
     WorkerOutput,
     run_on_worker,
 )
+from ray_lightning_sgd._worker.environment import RayEnvironmentBase
 from ray_lightning_sgd._worker.resume import ResumePoint
 from ray_lightning_sgd._worker_group import cluster, code
 from ray_lightning_sgd.exceptions import WorkerDiedError, WorkerGroupError
@@ -79,6 +80,8 @@ class RayLauncherBase(_Base):
         self._strategy = strategy
         #: The attempt whose workers run now (what ``kill`` stops).
         self._attempt: _Attempt | None = None
+        #: How many workers trained each epoch of the latest ``fit``.
+        self.world_sizes: dict[int, int] = {}
 
     @property
     @override
@@ -104,6 +107,13 @@ class RayLauncherBase(_Base):
         inbox = _inbox_for(trainer, callbacks, failure)
         attempt_numbers = itertools.count()
         storage = _run_folder(failure.checkpoint_storage, run_id, failure.run_name)
+        group_config = strategy.worker_group_config
+        sizes = elastic.WorldSizes()
+        growth = (
+            elastic.GrowthWatch(group_config, failure.resize_interval_s, trainer.max_epochs)
+            if fitting and trainer is not None and group_config.elastic
+            else None
+        )
         first: ResumePoint | None = None
         if fitting and failure.run_name is not None and storage is not None:
             model = args[0] if args else kwargs.get("model")
@@ -123,25 +133,38 @@ class RayLauncherBase(_Base):
             forward_events=bool(callbacks),
             report_progress=failure.progress_timeout_s is not None and trainer is not None,
             resume_every_n_epochs=(
-                failure.checkpoint_every_n_epochs if failure.writes_resume_checkpoints else 0
+                failure.checkpoint_every_n_epochs
+                if failure.writes_resume_checkpoints or group_config.elastic
+                else 0
             ),
             resume_storage=storage, resume_keep_last=failure.keep_last,
             resume_storage_kept=failure.run_name is not None, artifacts=mirror,
             results_in_band=_compat.ray.driver_is_a_client(),
+            global_batch_workers=(
+                group_config.num_workers
+                if strategy.keep_global_batch_size and group_config.elastic
+                else 0
+            ),
         )  # fmt: skip
 
         def start(resume: ResumePoint | None) -> _Attempt:
             call_id = f"{run_id}-{next(attempt_numbers)}"
-            return self._start_attempt(template._replace(call_id=call_id, resume=resume))
+            attempt = self._start_attempt(template._replace(call_id=call_id, resume=resume))
+            if attempt.executor is not None:
+                size = len(attempt.executor.worker_group)
+                sizes.attempt(resume, size)
+                if growth is not None:
+                    growth.attach(size)
+            return attempt
 
-        def on_restart(err: WorkerDiedError, failures: int, resume: Any) -> None:
+        def on_restart(err: WorkerDiedError | Regroup, failures: int, resume: Any) -> None:
             _log_restart(err, failures, resume, failure, fitting)
 
         controller = RunController(
             Attempts(
                 start=start,
-                run=functools.partial(self._run_attempt, inbox=inbox),
-                stop=functools.partial(self._stop_attempt, inbox=inbox),
+                run=functools.partial(self._run_attempt, inbox=inbox, growth=growth),
+                stop=functools.partial(self._stop_attempt, inbox=inbox, growth=growth),
                 resume_point=lambda: (
                     (inbox.resume or first) if fitting and inbox is not None else None
                 ),
@@ -165,7 +188,15 @@ class RayLauncherBase(_Base):
             (a for a in [*args, *kwargs.values()] if isinstance(a, strategy.flavour.datamodule)),
             None,
         )
-        return recover_results_in_driver(trainer, outputs, datamodule)
+        result = recover_results_in_driver(trainer, outputs, datamodule)
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        if isinstance(environment, RayEnvironmentBase):
+            environment.ran_with(len(outputs))  # an elastic run's last size
+        if fitting:
+            self.world_sizes = sizes.by_epoch(trainer.current_epoch)
+            if group_config.elastic:
+                log.info("World size by epoch: %s", elastic.describe(self.world_sizes))
+        return result
 
     def _start_attempt(self, payload: Payload) -> _Attempt:
         """Driver side: pickles the payload, puts it into the object store and, meanwhile, starts
@@ -184,15 +215,21 @@ class RayLauncherBase(_Base):
         self._attempt = _Attempt(executor, shipped, payload.call_id)
         return self._attempt
 
-    def _run_attempt(self, attempt: _Attempt, inbox: RunInbox | None) -> list[WorkerOutput]:
-        """Driver side: runs the payload on every worker; polls them while it waits."""
+    def _run_attempt(
+        self, attempt: _Attempt, inbox: RunInbox | None, growth: elastic.GrowthWatch | None
+    ) -> list[WorkerOutput]:
+        """Driver side: runs the payload on every worker; polls them while it waits, and ends
+        an elastic attempt that can grow at its next resume checkpoint."""
         executor = attempt.executor
         if executor is None or attempt.shipped is None:
             raise WorkerGroupError("an attempt runs once, after its workers started")
-        watch, interval = None, 1.0
+        watch: Callable[[], None] | None = None
+        interval = 1.0
         if inbox is not None:
             inbox.attach(executor.worker_group, attempt.call_id)
             watch, interval = inbox.pump, PUMP_INTERVAL_S
+            if growth is not None:
+                watch = functools.partial(_pump_and_watch_growth, inbox, growth)
         packed = attempt.shipped.result()
         imports = (self._strategy.flavour.namespace,)
         results = executor.run(
@@ -202,12 +239,20 @@ class RayLauncherBase(_Base):
             inbox.finish()  # the last output and events: the workers left them before returning
         return [unpack(out) for out in results]
 
-    def _stop_attempt(self, attempt: _Attempt, succeeded: bool, inbox: RunInbox | None) -> None:
+    def _stop_attempt(
+        self,
+        attempt: _Attempt,
+        succeeded: bool,
+        inbox: RunInbox | None,
+        growth: elastic.GrowthWatch | None,
+    ) -> None:
         """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers."""
         attempt.shipped = None  # the payload may leave the object store
         self._attempt = None
         executor, attempt.executor = attempt.executor, None
         try:
+            if growth is not None:
+                growth.close()
             if inbox is not None:
                 inbox.abandon()  # a lost or failed attempt: what its survivors left, no calls
         finally:  # a second Ctrl-C during the above still stops the workers
@@ -244,6 +289,13 @@ class _Attempt:
     executor: BackendExecutor | None
     shipped: Future[ray.ObjectRef] | None
     call_id: str
+
+
+def _pump_and_watch_growth(inbox: RunInbox, growth: elastic.GrowthWatch) -> None:
+    """Driver side, while an elastic attempt runs: polls the workers, then raises ``Regroup``
+    if the run can grow and a new resume checkpoint is in the driver's hands."""
+    inbox.pump()
+    growth.check(inbox.resume)
 
 
 def _inbox_for(
@@ -333,12 +385,15 @@ def _from_ray(handler: Callable[..., Any]) -> bool:
 
 
 def _log_restart(
-    err: WorkerDiedError,
+    err: WorkerDiedError | Regroup,
     failures: int,
     resume: ResumePoint | None,
     failure: FailureConfig,
     fitting: bool,
 ) -> None:
+    if isinstance(err, Regroup):
+        log.info("Regroup %d: %s", failures, err)
+        return
     name, budget = ("max_failures", failure.max_failures)
     if err.preempted:
         name, budget = ("max_preemptions", failure.max_preemptions)

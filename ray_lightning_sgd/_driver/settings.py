@@ -39,6 +39,10 @@ class LaunchSettings(Protocol):
         """Whether workers stay up between calls."""
 
     @property
+    def keep_global_batch_size(self) -> bool:
+        """Whether an elastic run scales ``accumulate_grad_batches`` to keep the global batch."""
+
+    @property
     def driver_callbacks(self) -> list[Any]:
         """Callbacks that run on the driver."""
 

@@ -74,7 +74,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     :class:`RayFSDPStrategyBase` to ``FSDPStrategy``).
 
     Args:
-        num_workers: Number of workers (training processes), each a Ray actor.
+        num_workers: Number of workers (training processes), each a Ray actor; or ``(min, max)``
+            for an elastic run: it starts with as many as the cluster places now (waiting
+            ``startup_timeout_s`` for ``min``), restarts after a lost worker with as many as it
+            can place, and grows at an epoch boundary when room appears (see
+            ``resize_interval_s``); ``fit`` resumes from the resume checkpoint of the last
+            epoch, which an elastic run always writes.
         num_cpus_per_worker: CPUs each worker reserves (default 1, or none when
             ``resources_per_worker`` is given without ``CPU``).
         use_gpu: Give each worker one GPU (NCCL instead of gloo). The driver needs no GPU: each
@@ -114,6 +119,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             after the previous driver died; refused when the stored run trains another model or
             strategy. Without it, each launch's checkpoints are its own and removed at its end.
         keep_last: How many resume checkpoints of a run are kept in the storage.
+        resize_interval_s: How often an elastic run checks whether the cluster has room for
+            more workers (it then grows at the next resume checkpoint).
+        keep_global_batch_size: In an elastic run, scale the Trainer's
+            ``accumulate_grad_batches`` by ``max / world size``, so that each optimizer step sees
+            as many samples as with ``max`` workers; the run then only takes sizes that divide
+            ``max``. False: each optimizer step sees ``world size x batch size`` samples.
         driver_callbacks: Callbacks that run on the driver while the workers train, called with
             rank 0's live events: setup and teardown, each stage's and epoch's start and end,
             and each batch (``outputs`` and ``batch`` are None; ``trainer`` shows rank 0's
@@ -142,7 +153,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
 
     def __init__(
         self,
-        num_workers: int = 1,
+        num_workers: int | tuple[int, int] = 1,
         *,
         num_cpus_per_worker: float | None = None,
         use_gpu: bool = False,
@@ -160,6 +171,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         checkpoint_storage: str | None = None,
         run_name: str | None = None,
         keep_last: int = 2,
+        resize_interval_s: float = 60,
+        keep_global_batch_size: bool = False,
         driver_callbacks: list[Any] | None = None,
         ship_driver_code: bool = True,
         **strategy_kwargs: Any,
@@ -172,6 +185,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             checkpoint_storage=checkpoint_storage,
             run_name=run_name,
             keep_last=keep_last,
+            resize_interval_s=resize_interval_s,
         )
         self._driver_callbacks = list(driver_callbacks or [])
         for callback in self._driver_callbacks:
@@ -188,8 +202,15 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
                 f"backend_config must be a TorchConfig, got {type(backend_config).__name__}"
             )
         strategy_kwargs = self._check_strategy_kwargs(strategy_kwargs)
+        if not isinstance(keep_global_batch_size, bool):
+            raise ConfigurationError(
+                f"keep_global_batch_size must be True or False, got {keep_global_batch_size!r}"
+            )
+        self._keep_global_batch_size = keep_global_batch_size
+        most, sizes = _worker_sizes(num_workers, keep_global_batch_size)
         self._worker_group_config = WorkerGroupConfig(
-            num_workers=num_workers,
+            num_workers=most,
+            sizes=sizes,
             resources_per_worker=_resources(num_cpus_per_worker, use_gpu, resources_per_worker),
             placement_strategy=placement_strategy,
             worker_env=dict(worker_env or {}),
@@ -206,7 +227,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             timeout=timedelta(seconds=backend_config.timeout_s),
             **strategy_kwargs,
         )
-        self.cluster_environment = self.environment_class(num_workers)
+        self.cluster_environment = self.environment_class(most)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -286,7 +307,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
 
     # the constructor's arguments, readable as attributes (as ray_lightning's and Ray's
     # ScalingConfig's are); each has one home, the config that holds it
-    num_workers = _from_config("_worker_group_config", "num_workers")
+    @property
+    def num_workers(self) -> int | tuple[int, int]:
+        """The ``num_workers`` this strategy was given: a number, or an elastic ``(min, max)``."""
+        config = self._worker_group_config
+        return (config.min_workers, config.num_workers) if config.elastic else config.num_workers
+
     resources_per_worker = _from_config("_worker_group_config", "resources_per_worker")
     placement_strategy = _from_config("_worker_group_config", "placement_strategy")
     init_hook = _from_config("_worker_group_config", "init_hook")
@@ -301,6 +327,19 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     checkpoint_storage = _from_config("_failure_config", "checkpoint_storage")
     run_name = _from_config("_failure_config", "run_name")
     keep_last = _from_config("_failure_config", "keep_last")
+    resize_interval_s = _from_config("_failure_config", "resize_interval_s")
+
+    @property
+    def keep_global_batch_size(self) -> bool:
+        """Whether an elastic run scales ``accumulate_grad_batches`` to keep the global batch."""
+        return self._keep_global_batch_size
+
+    @property
+    def world_sizes(self) -> dict[int, int]:
+        """Driver side: how many workers trained each epoch of the latest ``fit`` (an elastic
+        run's size changes between epochs); empty before any ``fit``."""
+        launcher = getattr(self, "_launcher", None)
+        return dict(launcher.world_sizes) if isinstance(launcher, RayLauncherBase) else {}
 
     @property
     def num_cpus_per_worker(self) -> float:
@@ -572,6 +611,38 @@ class RayFSDPStrategyBase(_SamplesByWorldRank, _ShardedBase):
 _WORKER_ARGS = (RayStrategyBase.__doc__ or "").split("Args:", 1)[-1]
 for _strategy in (RaySGDStrategyBase, RayModelParallelStrategyBase, RayFSDPStrategyBase):
     _strategy.__doc__ = f"{_strategy.__doc__}\n    Worker arguments:\n{_WORKER_ARGS}"
+
+
+def _worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, tuple[int, ...]]:
+    """The most workers, and the sizes an elastic run may take (largest first; empty: a fixed
+    size). With ``keep_global_batch_size`` only sizes that divide the most are taken."""
+    if isinstance(num_workers, list):  # as LightningCLI and YAML give a pair
+        num_workers = tuple(num_workers)
+    if not isinstance(num_workers, tuple):
+        return num_workers, ()  # WorkerGroupConfig checks it
+    pair = num_workers
+    if len(pair) != 2 or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in pair
+    ):
+        raise ConfigurationError(
+            f"num_workers must be an int >= 1, or a (min, max) pair of them for an elastic run, "
+            f"got {num_workers!r}"
+        )
+    low, high = pair
+    if low > high:
+        raise ConfigurationError(
+            f"num_workers=({low}, {high}) has min > max; pass (min, max), e.g. ({high}, {low})"
+        )
+    sizes = tuple(
+        n for n in range(high, low - 1, -1) if not keep_global_batch_size or high % n == 0
+    )
+    if keep_global_batch_size and len(sizes) < 2 and low < high:
+        raise ConfigurationError(
+            f"keep_global_batch_size=True takes only worker counts that divide max={high}, and "
+            f"num_workers=({low}, {high}) holds none below {high}: lower min (to {high // 2} or "
+            "less), or pass keep_global_batch_size=False"
+        )
+    return high, sizes if len(sizes) > 1 else ()
 
 
 def _resources(

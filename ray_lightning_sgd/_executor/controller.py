@@ -7,7 +7,8 @@ the executor, then decides what comes next from what the attempt raised:
 ```
 NEW -> RUNNING -> SUCCEEDED
           |  ^
-          v  |  a worker was lost, within max_failures: the next attempt resumes
+          v  |  a worker was lost, within max_failures; or the attempt asked to regroup (an
+          |  |  elastic run with room to grow): the next attempt resumes
        RESTARTING
           |
           v  anything else (a user exception, a stall, the budget spent, Ctrl-C)
@@ -15,7 +16,8 @@ NEW -> RUNNING -> SUCCEEDED
 ```
 
 Only a lost worker (:class:`WorkerDiedError`) is retried, within ``max_failures``, or within
-``max_preemptions`` when Ray reported its node preempted; an exception raised by user code on a
+``max_preemptions`` when Ray reported its node preempted; an attempt that raises :class:`Regroup`
+restarts without counting against either; an exception raised by user code on a
 rank is raised at once, as a retry would raise it again. An error while stopping the executor never
 replaces the error that ended the attempt: it is added to it as a note.
 
@@ -38,6 +40,11 @@ log = logging.getLogger(__name__)
 E = TypeVar("E")  # an executor
 R = TypeVar("R")  # an attempt's result
 P = TypeVar("P")  # where a restarted attempt resumes from
+
+
+class Regroup(Exception):
+    """Raised by an attempt that should end so that the next one starts with other workers (an
+    elastic run that can grow); not a failure."""
 
 
 class RunState(enum.Enum):
@@ -76,15 +83,16 @@ class RunController(Generic[E, R, P]):
         max_failures: How many lost-worker restarts are allowed (0: none, -1: no limit), as
             validated by ``FailureConfig``; preemptions do not count.
         max_preemptions: How many restarts after a preempted node are allowed (-1: no limit).
-        on_restart: Called before each restart with the error, the number of failures so far
-            and the resume point (for the user's log).
+        on_restart: Called before each restart with what ended the attempt (a
+            :class:`WorkerDiedError` or a :class:`Regroup`), how many of its kind so far, and
+            the resume point (for the user's log).
     """
 
     def __init__(
         self,
         attempts: Attempts[E, R, P],
         max_failures: int = 0,
-        on_restart: Callable[[WorkerDiedError, int, P | None], None] | None = None,
+        on_restart: Callable[[WorkerDiedError | Regroup, int, P | None], None] | None = None,
         max_preemptions: int = -1,
     ) -> None:
         self._attempts = attempts
@@ -96,6 +104,8 @@ class RunController(Generic[E, R, P]):
         self.failures = 0
         #: How many attempts lost a worker to a preempted node.
         self.preemptions = 0
+        #: How many attempts ended to regroup.
+        self.regroups = 0
 
     def run(self, resume: P | None = None) -> R:
         """Runs attempts until one succeeds (returns its result) or the run fails (raises); the
@@ -106,11 +116,16 @@ class RunController(Generic[E, R, P]):
             self.state = RunState.RUNNING
             try:
                 result = self._attempt(resume)
-            except WorkerDiedError as err:
-                if err.preempted:
+            except (WorkerDiedError, Regroup) as err:
+                if isinstance(err, Regroup):
+                    self.regroups += 1
+                    count = self.regroups
+                elif err.preempted:
                     self.preemptions += 1
+                    count = self.preemptions
                 else:
                     self.failures += 1
+                    count = self.failures
                 if not self._may_restart():
                     self.state = RunState.FAILED
                     raise
@@ -121,7 +136,6 @@ class RunController(Generic[E, R, P]):
                     self.state = RunState.FAILED
                     raise
                 if self._on_restart is not None:
-                    count = self.preemptions if err.preempted else self.failures
                     self._on_restart(err, count, resume)
                 continue
             except BaseException:
@@ -159,4 +173,4 @@ class RunController(Generic[E, R, P]):
                 log.warning("Could not keep or stop the workers after the call: %s", stop_error)
 
 
-__all__ = ["Attempts", "RunController", "RunState"]
+__all__ = ["Attempts", "Regroup", "RunController", "RunState"]

@@ -87,6 +87,9 @@ class Payload(NamedTuple):
     #: Whether the results travel without out-of-band buffers: the driver is a Ray Client,
     #: whose server pickles them once more and cannot pickle the buffers Ray hands it.
     results_in_band: bool = False
+    #: An elastic run that keeps its global batch: the most workers it may have (0: it does
+    #: not); each worker multiplies ``accumulate_grad_batches`` by that over the world size.
+    global_batch_workers: int = 0
 
 
 class RankZeroResults(NamedTuple):
@@ -266,6 +269,10 @@ def _run_payload(payload: Payload) -> WorkerOutput:
         flavour: Flavour = strategy.flavour  # type: ignore[attr-defined]
         use_own_hardware(strategy, environment, flavour, global_rank)
         strategy.set_world_ranks()  # type: ignore[attr-defined]
+        if payload.global_batch_workers:
+            # sizes that divide the most are the only ones such a run takes
+            factor = payload.global_batch_workers // environment.world_size()
+            trainer.accumulate_grad_batches *= factor
         fitting = trainer.state.fn == FITTING
         tuner_exits = (_compat.tuner_exit_exception(flavour.namespace),)
         if trainer.state.fn == PREDICTING:

@@ -90,6 +90,11 @@ class RayEnvironmentBase(_Base):
     def set_world_size(self, size: int) -> None:
         """Ignored: the worker group decides the world size."""
 
+    def ran_with(self, world_size: int) -> None:
+        """Driver side: the workers of the last call were ``world_size`` (an elastic run's size
+        may differ from the most); the driver's Trainer reports it, as ddp's rank 0 would."""
+        self._world_size = world_size
+
     @override
     def global_rank(self) -> int:
         """This worker's global rank (0 on the driver)."""

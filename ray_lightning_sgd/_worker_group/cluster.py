@@ -125,14 +125,18 @@ def check_placement_is_possible(
     Raises:
         ResourcesUnavailableError: Naming what was requested and what the cluster has.
     """
-    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-    problem = placement_problem(bundle, num_workers, strategy, nodes)
+    problem = placement_problem(bundle, num_workers, strategy, node_resources())
     if problem is not None:
         raise ResourcesUnavailableError(
             f"cannot place {num_workers} workers of {dict(bundle)} ({strategy}): {problem}. "
             f"{describe_available()}. Ask for less per worker (num_cpus_per_worker, use_gpu, "
             "resources_per_worker), fewer workers, another placement_strategy, or add nodes"
         )
+
+
+def node_resources() -> list[Mapping[str, float]]:
+    """Driver side: each live node's total resources."""
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
 
 
 def placement_problem(

@@ -21,7 +21,11 @@ class WorkerGroupConfig:
     """How many workers to start, what each one reserves, and how to start them.
 
     Args:
-        num_workers: Number of workers (Ray actors), one per training process.
+        num_workers: Number of workers (Ray actors), one per training process; with
+            ``sizes``, the most workers the group may have.
+        sizes: The sizes an elastic group may have, largest first: it starts with the largest
+            the cluster can place now (waiting ``startup_timeout_s`` for the smallest). Empty:
+            exactly ``num_workers``.
         resources_per_worker: Ray resources each worker reserves: ``CPU``, ``GPU`` (fractions
             allowed) and custom resources.
         placement_strategy: Placement group strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
@@ -34,6 +38,7 @@ class WorkerGroupConfig:
     """
 
     num_workers: int = 1
+    sizes: tuple[int, ...] = ()
     resources_per_worker: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     placement_strategy: str = "PACK"
     worker_env: Mapping[str, str] = field(default_factory=dict)
@@ -51,6 +56,15 @@ class WorkerGroupConfig:
             )
         if self.num_workers < 1:
             raise ConfigurationError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.sizes and (
+            list(self.sizes) != sorted(set(self.sizes), reverse=True)
+            or self.sizes[0] != self.num_workers
+            or not all(isinstance(n, int) and n >= 1 for n in self.sizes)
+        ):
+            raise ConfigurationError(
+                f"sizes must be distinct ints >= 1, largest first, the first {self.num_workers}; "
+                f"got {self.sizes!r}"
+            )
         if not self.resources_per_worker:
             raise ConfigurationError(
                 "resources_per_worker must name at least one resource, got {}; "
@@ -99,6 +113,16 @@ class WorkerGroupConfig:
             )
         if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
             raise ConfigurationError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the group's size depends on what the cluster can place when it starts."""
+        return len(self.sizes) > 1
+
+    @property
+    def min_workers(self) -> int:
+        """The fewest workers the group may have."""
+        return self.sizes[-1] if self.sizes else self.num_workers
 
     @property
     def use_gpu(self) -> bool:

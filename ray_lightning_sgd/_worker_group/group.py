@@ -65,6 +65,10 @@ _SHUTDOWN_WAIT_S = 10.0
 _WATCH_INTERVAL_S = 1.0
 
 
+#: How long an elastic group waits for each size above its smallest before it tries a smaller one.
+_PROBE_S = 2.0
+
+
 class _State(enum.Enum):
     NEW = "new"
     STARTED = "started"
@@ -133,10 +137,14 @@ class WorkerGroup:
         return [worker.rank for worker in self.workers]
 
     def __len__(self) -> int:
-        return self._config.num_workers
+        """How many workers the group has (an elastic group: once started; before, its most)."""
+        return len(self._workers) if self._workers else self._config.num_workers
 
     def start(self) -> None:
         """Driver side: reserves all workers at once, starts them and assigns their ranks.
+
+        An elastic group (``sizes``) takes the largest of its sizes that the cluster places now,
+        and waits what is left of ``startup_timeout_s`` for its smallest.
 
         Raises:
             ResourcesUnavailableError: If the cluster cannot place the workers within
@@ -146,7 +154,7 @@ class WorkerGroup:
         config = self._config
         deadline = time.monotonic() + config.startup_timeout_s
         cluster.check_placement_is_possible(
-            config.resources_per_worker, config.num_workers, config.placement_strategy
+            config.resources_per_worker, config.min_workers, config.placement_strategy
         )
         try:
             self._started = self._start_actors(self._reserve(deadline))
@@ -285,28 +293,44 @@ class WorkerGroup:
     def _reserve(self, deadline: float) -> tuple[PlacementGroup, list[int]]:
         config = self._config
         bundle = dict(config.resources_per_worker)
+        sizes = config.sizes or (config.num_workers,)
         enclosing = get_current_placement_group()
         if enclosing is not None:
             # a Ray Tune trial (or any task in a placement group): use its bundles, not a second
             # group that the trial's own reservation may leave no room for
-            return enclosing, bundles_for_workers(
-                enclosing.bundle_specs, bundle, config.num_workers
+            return enclosing, bundles_for_workers(enclosing.bundle_specs, bundle, sizes)
+        possible = [
+            size
+            for size in sizes
+            if cluster.placement_problem(
+                bundle, size, config.placement_strategy, cluster.node_resources()
             )
-        group = placement_group(
-            [bundle] * config.num_workers, strategy=config.placement_strategy, name=self._name
-        )
-        self._placement_group = group  # so that shutdown() frees it if the wait is interrupted
-        ready, _ = ray.wait([group.ready()], timeout=remaining(deadline))
-        if not ready:
+            is None
+        ] or [config.min_workers]
+        for size in possible:
+            smallest = size == possible[-1]
+            group = placement_group(
+                [bundle] * size, strategy=config.placement_strategy, name=self._name
+            )
+            self._placement_group = group  # so that shutdown() frees it if the wait is interrupted
+            wait_s = remaining(deadline) if smallest else min(_PROBE_S, remaining(deadline))
+            ready, _ = ray.wait([group.ready()], timeout=wait_s)
+            if ready:
+                if config.elastic:
+                    log.info(
+                        "Elastic worker group %s: %d workers (of %d to %d)",
+                        self._name, size, config.min_workers, config.num_workers,
+                    )  # fmt: skip
+                return group, list(range(size))
             remove_placement_group(group)
             self._placement_group = None
-            raise ResourcesUnavailableError(
-                f"the cluster did not place {config.num_workers} workers of {bundle} "
-                f"({config.placement_strategy}) within startup_timeout_s="
-                f"{config.startup_timeout_s}s; {cluster.describe_available()}. Free resources, add "
-                "nodes, ask for less, or raise startup_timeout_s"
-            )
-        return group, list(range(config.num_workers))
+        wanted = f"{config.min_workers} (of up to {config.num_workers})" if config.elastic else ""
+        raise ResourcesUnavailableError(
+            f"the cluster did not place {wanted or config.num_workers} workers of {bundle} "
+            f"({config.placement_strategy}) within startup_timeout_s="
+            f"{config.startup_timeout_s}s; {cluster.describe_available()}. Free resources, add "
+            "nodes, ask for less, or raise startup_timeout_s"
+        )
 
     def _start_actors(self, reserved: tuple[PlacementGroup, list[int]]) -> list[tuple[Any, int]]:
         group, bundles = reserved
@@ -375,23 +399,29 @@ class WorkerGroup:
 
 
 def bundles_for_workers(
-    specs: Sequence[Mapping[str, float]], bundle: Mapping[str, float], num_workers: int
+    specs: Sequence[Mapping[str, float]],
+    bundle: Mapping[str, float],
+    sizes: int | Sequence[int],
 ) -> list[int]:
     """The indices of an enclosing placement group's bundles that the workers take: the last
-    ``num_workers`` bundles that each hold ``bundle`` (a Tune trial's head bundle comes first).
+    ones that each hold ``bundle`` (a Tune trial's head bundle comes first), as many as the
+    largest of ``sizes`` (a number of workers, or an elastic group's sizes, largest first) that
+    the group holds.
 
     Raises:
-        ResourcesUnavailableError: The group has too few such bundles.
+        ResourcesUnavailableError: The group has too few such bundles for the smallest size.
     """
+    sizes = [sizes] if isinstance(sizes, int) else list(sizes)
     fitting = [
         index
         for index, spec in enumerate(specs)
         if all(spec.get(name, 0.0) >= amount for name, amount in bundle.items())
     ]
-    if len(fitting) < num_workers:
+    num_workers = next((size for size in sizes if size <= len(fitting)), None)
+    if num_workers is None:
         raise ResourcesUnavailableError(
             f"this call runs inside a placement group (a Ray Tune trial's?) whose bundles are "
-            f"{[dict(s) for s in specs]}; {num_workers} workers need {num_workers} bundles of "
+            f"{[dict(s) for s in specs]}; {sizes[-1]} workers need {sizes[-1]} bundles of "
             f"{dict(bundle)}. Give the trial the strategy's own request: "
             "tune.with_resources(trainable, strategy.tune_resources())"
         )

@@ -1,0 +1,135 @@
+"""Elastic worker counts on the shared two-CPU cluster: arguments, sizing, the growth probe.
+
+Losing and regaining a node mid-fit is in tests/test_node_loss.py (a cluster of its own).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import pytorch_lightning as pl
+
+from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, ResourcesUnavailableError
+from ray_lightning_sgd._driver.elastic import GrowthWatch, WorldSizes, describe
+from ray_lightning_sgd._executor.controller import Regroup
+from ray_lightning_sgd._worker.resume import ResumePoint
+from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
+from tests.conftest import leftovers
+from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_workers": (2, 1)}, r"min > max; pass \(min, max\), e.g. \(1, 2\)"),
+        ({"num_workers": (0, 2)}, r"a \(min, max\) pair of them .* got \(0, 2\)"),
+        ({"num_workers": (1, 2, 3)}, r"got \(1, 2, 3\)"),
+        ({"num_workers": (1.0, 2)}, r"got \(1.0, 2\)"),
+        ({"num_workers": (3, 4), "keep_global_batch_size": True}, r"divide max=4.*to 2 or less"),
+        ({"keep_global_batch_size": 1}, "keep_global_batch_size must be True or False"),
+        ({"resize_interval_s": 0}, "resize_interval_s must be a number of seconds > 0"),
+    ],
+)
+def test_bad_elastic_arguments_are_refused_in_the_constructor(kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        RaySGDStrategy(**kwargs)
+
+
+def test_the_sizes_an_elastic_run_may_take():
+    assert RaySGDStrategy(num_workers=(2, 4)).worker_group_config.sizes == (4, 3, 2)
+    # keeping the global batch: only sizes that divide the most
+    kept = RaySGDStrategy(num_workers=(1, 6), keep_global_batch_size=True)
+    assert kept.worker_group_config.sizes == (6, 3, 2, 1)
+    assert kept.num_workers == (1, 6)
+    # a pair of equal counts, or a list (LightningCLI, YAML), is a fixed size or a pair
+    assert RaySGDStrategy(num_workers=(3, 3)).num_workers == 3
+    assert RaySGDStrategy(num_workers=[1, 2]).num_workers == (1, 2)  # type: ignore[arg-type]
+
+
+def test_an_elastic_fit_takes_what_the_cluster_places_and_keeps_the_global_batch(ray_cluster):
+    # (1, 4) keeping the global batch: sizes 4, 2 and 1; the two-CPU cluster places 2, each of
+    # which accumulates 4 / 2 = 2 batches per optimizer step
+    strategy = RaySGDStrategy(num_workers=(1, 4), keep_global_batch_size=True)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", max_epochs=2, enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    trainer.fit(TinyModel(), loader())  # 12 batches: 6 per rank, 3 optimizer steps per epoch
+    assert strategy.world_sizes == {0: 2, 1: 2}
+    assert trainer.world_size == 2
+    assert trainer.global_step == 2 * 3
+    assert trainer.accumulate_grad_batches == 1  # the driver's own Trainer is left as it was
+
+
+def test_an_elastic_run_waits_for_its_min_only_where_the_cluster_could_hold_it(ray_cluster):
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=(3, 4)), accelerator="cpu", max_epochs=1,
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(ResourcesUnavailableError, match=r"cannot place 3 workers .* fit only 2"):
+        trainer.fit(TinyModel(), loader())
+    assert time.monotonic() - started < 10
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _wait_for_an_answer(watch: GrowthWatch, resume: ResumePoint | None) -> None:
+    deadline = time.monotonic() + 10
+    while not watch._room and time.monotonic() < deadline:  # a probe's answer is asynchronous
+        watch.check(resume)
+        time.sleep(0.05)
+
+
+def test_growth_waits_for_room_then_for_the_next_resume_checkpoint(free_cluster):
+    clock = Clock()
+    config = WorkerGroupConfig(num_workers=4, sizes=(4, 3, 2, 1))
+    watch = GrowthWatch(config, interval_s=30, max_epochs=10, clock=clock)
+    watch.attach(1)  # one worker, on a cluster with a CPU free
+    epoch_2 = ResumePoint(2, 20)
+    watch.check(epoch_2)
+    assert watch._probe is None, "probed before resize_interval_s passed"
+    clock.now += 31
+    _wait_for_an_answer(watch, epoch_2)
+    assert watch._room and watch._probe is None, "the probe found no room, or was left"
+    watch.check(epoch_2)  # the checkpoint held when room appeared is not the boundary
+    with pytest.raises(Regroup, match="after epoch 3"):
+        watch.check(ResumePoint(3, 30))
+    watch.check(ResumePoint(9, 90))  # the last epoch's checkpoint: nothing left to train
+    assert leftovers() == ([], [])
+
+
+def test_growth_finds_no_room_where_the_larger_group_cannot_be_placed(free_cluster):
+    clock = Clock()
+    # STRICT_SPREAD needs a node per worker: a one-node cluster never has room for 2
+    config = WorkerGroupConfig(num_workers=2, sizes=(2, 1), placement_strategy="STRICT_SPREAD")
+    watch = GrowthWatch(config, interval_s=1, max_epochs=None, clock=clock)
+    watch.attach(1)
+    clock.now += 2
+    watch.check(None)
+    assert watch._probe is not None
+    clock.now += 10  # the probe's wait is over
+    watch.check(None)
+    assert not watch._room and watch._probe is None
+    watch.check(ResumePoint(5, 50))  # no room: a checkpoint ends nothing
+    watch.close()
+    assert leftovers() == ([], [])
+
+
+def test_world_sizes_by_epoch_follow_the_attempt_that_trained_each_epoch():
+    sizes = WorldSizes()
+    sizes.attempt(None, 2)
+    sizes.attempt(ResumePoint(1, 12), 1)  # lost during epoch 3: epochs 2 and 3 retrained
+    sizes.attempt(ResumePoint(4, 36), 2)
+    by_epoch = sizes.by_epoch(7)
+    assert by_epoch == {0: 2, 1: 2, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2}
+    assert (
+        describe(by_epoch) == "epochs 0-1: 2 workers; epochs 2-4: 1 worker; epochs 5-6: 2 workers"
+    )
