@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 import threading
@@ -13,6 +14,7 @@ import pytorch_lightning as pl
 import ray
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
 
 from ray_lightning_sgd import (
     ConfigurationError,
@@ -49,8 +51,7 @@ def _trainer(strategy, max_epochs=3, **kwargs):
         accelerator="cpu",
         max_epochs=max_epochs,
         enable_checkpointing=False,
-        **quiet_trainer_kwargs(),
-        **kwargs,
+        **{**quiet_trainer_kwargs(), **kwargs},
     )
 
 
@@ -152,10 +153,19 @@ def test_a_resume_checkpoint_in_storage(ray_cluster, tmp_path, caplog):
     marker = str(tmp_path / "failed-once")
     storage = tmp_path / "resume"
     strategy = RaySGDStrategy(num_workers=2, max_failures=1, checkpoint_storage=str(storage))
+    logger = CSVLogger(tmp_path / "logs")
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
-        trainer = _fit(Faulty(rank=0, step=8, marker=marker), strategy)
+        trainer = _fit(
+            Faulty(rank=0, step=8, marker=marker), strategy, logger=logger, log_every_n_steps=1
+        )
     assert trainer.global_step == 18
     assert "fit resumes after epoch 0 (global step 6)" in caplog.text
+    # the restarted attempt logs on in the first one's folder, which keeps the rows before the
+    # checkpoint (Lightning's CSV writer would delete them) and not those trained again
+    assert [p.name for p in (tmp_path / "logs" / "lightning_logs").iterdir()] == ["version_0"]
+    assert logger.version == 0
+    with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as file:
+        assert [int(row["step"]) for row in csv.DictReader(file)] == list(range(18))
     # the run's own folder of the storage held it; a run that succeeded leaves nothing there
     assert list(storage.rglob("*.ckpt")) == []
 

@@ -52,6 +52,44 @@ def set_logger_version(logger: Any, version: Any) -> None:
         logger._version = version
 
 
+def continue_logger(logger: Any, version: Any, before_step: int) -> None:
+    """Runs on rank 0 of a restarted attempt. The logger writes on in the folder (``version``)
+    of the attempt before, as TensorBoard's does; a CSV logger also keeps the rows that attempt
+    logged before ``before_step`` (the checkpoint's global step: later rows are trained again),
+    which Lightning's CSV writer would delete when it starts in a folder that has them."""
+    if version is None or not hasattr(logger, "_version"):
+        return
+    logger._version = version
+    if not any(cls.__name__ == "CSVLogger" for cls in type(logger).__mro__):
+        return
+    import csv
+    import io
+
+    import fsspec
+
+    filesystem, path = fsspec.core.url_to_fs(f"{str(logger.log_dir).rstrip('/')}/metrics.csv")
+    if not filesystem.isfile(path):
+        return
+    with filesystem.open(path, "r", newline="") as file:
+        rows = list(csv.DictReader(file))
+    header = list(rows[0]) if rows else []
+    kept = [row for row in rows if _step_of(row) < before_step]
+    _ = logger.experiment  # the writer, which deletes the file it finds
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=header)
+    writer.writeheader()
+    writer.writerows(kept)
+    with filesystem.open(path, "w", newline="") as file:
+        file.write(out.getvalue())
+
+
+def _step_of(row: dict[str, str]) -> float:
+    try:
+        return float(row.get("step") or 0)
+    except ValueError:
+        return 0.0
+
+
 def committed_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Runs on a worker. The progress bar, callback and logged metrics Lightning last committed.
 

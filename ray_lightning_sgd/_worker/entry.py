@@ -296,6 +296,11 @@ def _run_payload(payload: Payload) -> WorkerOutput:
             )
         if fitting and payload.resume is not None:
             resume_file = materialise(payload.resume)
+            if global_rank == 0:  # the only rank whose loggers write: one folder a run
+                for logger, version in zip(
+                    trainer.loggers, payload.resume.logger_versions, strict=False
+                ):
+                    _compat.continue_logger(logger, version, payload.resume.global_step)
             args, kwargs = _compat.with_ckpt_path(payload.function, args, kwargs, resume_file)
         callbacks_of(trainer).extend(ours)
     output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()

@@ -13,7 +13,7 @@ import re
 import tempfile
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
@@ -40,6 +40,9 @@ class ResumePoint:
     #: Names the local copy each worker makes of ``data`` (the same path on every rank: a
     #: sharded strategy loads the path that rank 0 gives the others).
     name: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: Rank 0's loggers' versions: a restarted attempt's loggers go on writing the same folders
+    #: (without them, each attempt's CSV and TensorBoard loggers would pick the next version).
+    logger_versions: tuple[Any, ...] = ()
 
 
 class ResumeCheckpointBase:
@@ -88,7 +91,10 @@ class ResumeCheckpointBase:
                 trainer.save_checkpoint(uri)
             if trainer.global_rank == 0:
                 _delete_all_but_last(self._storage, self._keep_last)
-            point = ResumePoint(trainer.current_epoch, trainer.global_step, uri=uri)
+            point = ResumePoint(
+                trainer.current_epoch, trainer.global_step, uri=uri,
+                logger_versions=_logger_versions(trainer),
+            )  # fmt: skip
         else:
             fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
             os.close(fd)
@@ -98,7 +104,10 @@ class ResumeCheckpointBase:
                 data = _read(path) if trainer.global_rank == 0 else None
             finally:
                 os.unlink(path)
-            point = ResumePoint(trainer.current_epoch, trainer.global_step, data=data)
+            point = ResumePoint(
+                trainer.current_epoch, trainer.global_step, data=data,
+                logger_versions=_logger_versions(trainer),
+            )  # fmt: skip
         if trainer.global_rank == 0:
             # the checkpoint is safe in the driver before training goes on
             outbox = get_outbox()
@@ -148,6 +157,14 @@ def _delete_all_but_last(storage: str, keep_last: int) -> None:
             filesystem.rm(path, recursive=True)  # a sharded checkpoint may be a folder
         except Exception as err:  # noqa: BLE001 - a stale checkpoint is no reason to stop training
             log.warning("Could not delete the old resume checkpoint %s: %s", point.uri, err)
+
+
+def _logger_versions(trainer: pl.Trainer) -> tuple[Any, ...]:
+    """Runs on each worker. Rank 0's loggers' versions (resolved there: a folder it writes to);
+    none on the other ranks, whose loggers write nothing."""
+    if trainer.global_rank != 0:
+        return ()
+    return tuple(logger.version for logger in trainer.loggers)
 
 
 def _read(path: str) -> bytes:
