@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -141,6 +143,42 @@ def test_a_restart_resumes_and_ends_as_the_run_without_failure(ray_cluster, tmp_
         (model.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items()
     )
     assert diff <= 1e-6, f"resumed weights differ by {diff}"
+
+
+class Terminated(TinyModel):
+    """Sends SIGTERM to rank 1's own process at one step, once: a spot node's notice."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 8 and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGTERM)
+        if os.path.exists(self.marker) and Path(self.marker).read_text() == str(os.getpid()):
+            time.sleep(0.5)  # the process outlives its notice by a few seconds, no more
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_worker_terminated_by_sigterm_is_a_preemption(ray_cluster, tmp_path, caplog):
+    pl.seed_everything(0)
+    reference = TinyModel()
+    _fit(reference, RaySGDStrategy(num_workers=2))
+    marker = str(tmp_path / "terminated")
+    pl.seed_everything(0)
+    model = Terminated(marker)
+    # max_failures=0: a worker failure would end the fit; a preemption restarts it (no limit)
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        got = _fit(model, RaySGDStrategy(num_workers=2))
+    assert os.path.exists(marker), "no SIGTERM was sent"
+    assert "Rank 1 (node " in caplog.text and "received SIGTERM" in caplog.text
+    assert "Restart 1 (no limit) after a preemption" in caplog.text, caplog.text
+    assert got.global_step == 18
+    diff = max(
+        (model.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items()
+    )
+    assert diff <= 1e-6, f"the restarted run's weights differ by {diff}"
 
 
 def test_restarts_stop_after_max_failures(ray_cluster, tmp_path):

@@ -30,6 +30,7 @@ from ray_lightning_sgd._worker.resume import RESUME, ResumePoint
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
+from ray_lightning_sgd._worker_group.worker import SIGTERM_NOTICE
 from ray_lightning_sgd.exceptions import WorkerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class RunInbox:
         self.progress_timeout_s = progress_timeout_s
         #: The launch's latest resume point (it outlives attempts).
         self.resume: ResumePoint | None = None
+        #: The ranks of this attempt that received SIGTERM (a preemption notice).
+        self.sigterm_ranks: set[int] = set()
         self._printer = OutputPrinter()
         self._group: WorkerGroup | None = None
         self._call_id = ""
@@ -76,6 +79,7 @@ class RunInbox:
         now = time.monotonic()
         self._group, self._call_id = group, call_id
         self._metadata = group.metadata
+        self.sigterm_ranks = set()
         self._asked = {}
         self._next_ask = dict.fromkeys(range(len(group)), now)
         self._progress_at = dict.fromkeys(range(len(group)), now)
@@ -164,6 +168,11 @@ class RunInbox:
             self.resume = mail.latest[RESUME]
             # in the driver's memory now: rank 0 trains on once the next poll says so
             self._acknowledged.setdefault(rank, {})[RESUME] = mail.sequences[RESUME]
+        if SIGTERM_NOTICE in mail.latest:
+            self.sigterm_ranks.add(rank)
+            log.warning("Rank %d (%s) received SIGTERM", rank, _node_of(self._metadata, rank))
+            # the worker ends as soon as the driver holds the notice
+            self._acknowledged.setdefault(rank, {})[SIGTERM_NOTICE] = mail.sequences[SIGTERM_NOTICE]
         if PROGRESS in mail.ages:
             self._progress_at[rank] = time.monotonic() - mail.ages[PROGRESS]
         if PROGRESS in mail.latest:

@@ -232,9 +232,17 @@ class RayLauncherBase(_Base):
                 watch = functools.partial(_pump_and_watch_growth, inbox, growth)
         packed = attempt.shipped.result()
         imports = (self._strategy.flavour.namespace,)
-        results = executor.run(
-            run_on_worker, packed, imports, watch=watch, watch_interval_s=interval
-        )
+        try:
+            results = executor.run(
+                run_on_worker, packed, imports, watch=watch, watch_interval_s=interval
+            )
+        except WorkerDiedError as err:
+            if inbox is not None and inbox.sigterm_ranks and not err.preempted:
+                # a worker warned of its end by SIGTERM (a spot node, a drain) is preempted
+                err.preempted = True
+                ranks = ", ".join(str(rank) for rank in sorted(inbox.sigterm_ranks))
+                err.add_note(f"Rank {ranks} received SIGTERM before: counted as a preemption")
+            raise
         if inbox is not None:
             inbox.finish()  # the last output and events: the workers left them before returning
         return [unpack(out) for out in results]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -25,6 +27,12 @@ IN_COLLECTIVE = "_ray_lightning_sgd_in_collective"
 #: The actor's second thread: polls are answered while a function runs in the first.
 POLL_GROUP = "poll"
 
+#: The outbox channel that tells the driver this worker received SIGTERM while running a call.
+SIGTERM_NOTICE = "sigterm"
+#: How long a worker that received SIGTERM during a call lives on, at most, for the driver to
+#: take the notice (a spot node's or a draining node's warning: the process is about to go).
+_SIGTERM_GRACE_S = 3.0
+
 
 class _Worker:
     """Runs on each worker. The Ray actor that executes the functions the driver sends.
@@ -32,7 +40,43 @@ class _Worker:
     Functions run one at a time, in a thread of the actor's own (Ray's default concurrency group
     of one); :meth:`poll` runs in a second thread, so that the driver reads the worker's outbox
     while a function runs (the pattern of Ray Train v2's workers).
+
+    A SIGTERM that reaches the worker while it runs a function is a preemption notice: the
+    worker tells the driver (:data:`SIGTERM_NOTICE`), which counts the loss of this worker as a
+    preemption, then ends (the signal's default action) once the driver has the notice, within
+    a few seconds; an idle worker ends at once, as Ray's own handler ends it.
     """
+
+    def __init__(self) -> None:
+        self._running = False
+        # an actor is created in its process's main thread, the only one that installs handlers
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(
+                signal.SIGTERM, lambda signum, frame: self._on_sigterm(previous, signum, frame)
+            )
+
+    def _on_sigterm(self, previous: Any, signum: int, frame: Any) -> None:
+        """Runs in the worker's main thread on SIGTERM: notifies the driver while a function
+        runs, and ends the process once the driver has the notice; an idle worker ends as it
+        did before (Ray's handler)."""
+        if not self._running:
+            signal.signal(signal.SIGTERM, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+        # Ray's handler would wait for the running function; the signal's own action does not
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+        outbox = get_outbox()
+        sequence = outbox.put_latest(SIGTERM_NOTICE, os.getpid())
+
+        def end_once_delivered() -> None:
+            outbox.wait_delivered(SIGTERM_NOTICE, sequence, _SIGTERM_GRACE_S)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=end_once_delivered, daemon=True).start()
 
     def metadata(self) -> WorkerMetadata:
         context = ray.get_runtime_context()
@@ -52,6 +96,7 @@ class _Worker:
         return get_outbox().take(acknowledged)
 
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self._running = True
         try:
             return fn(*args, **kwargs)
         except BaseException as err:
@@ -70,6 +115,8 @@ class _Worker:
                 # lost peer for it, never for an error of user code that reads alike
                 setattr(err, IN_COLLECTIVE, True)
             raise
+        finally:
+            self._running = False
 
 
 def _raised_inside_torch(err: BaseException) -> bool:
