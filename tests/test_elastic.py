@@ -27,6 +27,8 @@ from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
         ({"num_workers": (1, 2, 3)}, r"got \(1, 2, 3\)"),
         ({"num_workers": (1.0, 2)}, r"got \(1.0, 2\)"),
         ({"num_workers": (3, 4), "keep_global_batch_size": True}, r"divide max=4.*to 2 or less"),
+        ({"num_workers": (3, 5), "keep_global_batch_size": True}, r"divide max=5.*to 1 or less"),
+        ({"num_workers": 2, "keep_global_batch_size": True}, r"applies to an elastic"),
         ({"keep_global_batch_size": 1}, "keep_global_batch_size must be True or False"),
         ({"resize_interval_s": 0}, "resize_interval_s must be a number of seconds > 0"),
     ],
@@ -100,9 +102,12 @@ def test_growth_waits_for_room_then_for_the_next_resume_checkpoint(free_cluster)
     _wait_for_an_answer(watch, epoch_2)
     assert watch._room and watch._probe is None, "the probe found no room, or was left"
     watch.check(epoch_2)  # the checkpoint held when room appeared is not the boundary
+    watch.check(ResumePoint(9, 90))  # the last epoch's checkpoint: nothing left to train
     with pytest.raises(Regroup, match="after epoch 3"):
         watch.check(ResumePoint(3, 30))
-    watch.check(ResumePoint(9, 90))  # the last epoch's checkpoint: nothing left to train
+    # the regroup found no more room (the next attempt has 1 worker again): look less often
+    watch.attach(1)
+    assert watch._next_probe == clock.now + 60
     assert leftovers() == ([], [])
 
 
@@ -121,6 +126,26 @@ def test_growth_finds_no_room_where_the_larger_group_cannot_be_placed(free_clust
     watch.check(ResumePoint(5, 50))  # no room: a checkpoint ends nothing
     watch.close()
     assert leftovers() == ([], [])
+
+
+def test_what_keep_global_batch_size_cannot_scale_is_refused_before_ray_starts():
+    from pytorch_lightning.callbacks import GradientAccumulationScheduler
+
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=(1, 2), keep_global_batch_size=True),
+        accelerator="cpu", callbacks=[GradientAccumulationScheduler({0: 2})],
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError, match="GradientAccumulationScheduler"):
+        trainer.fit(TinyModel(), loader())
+    manual = TinyModel()
+    manual.automatic_optimization = False
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=(1, 2), keep_global_batch_size=True),
+        accelerator="cpu", **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError, match="manual optimization"):
+        trainer.fit(manual, loader())
 
 
 def test_world_sizes_by_epoch_follow_the_attempt_that_trained_each_epoch():

@@ -192,18 +192,21 @@ def test_a_resume_checkpoint_in_storage(ray_cluster, tmp_path, caplog):
     storage = tmp_path / "resume"
     strategy = RaySGDStrategy(num_workers=2, max_failures=1, checkpoint_storage=str(storage))
     logger = CSVLogger(tmp_path / "logs")
+    pl.seed_everything(0)
+    trainer = _trainer(strategy, logger=logger, log_every_n_steps=1)
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
-        trainer = _fit(
-            Faulty(rank=0, step=8, marker=marker), strategy, logger=logger, log_every_n_steps=1
-        )
+        trainer.fit(Faulty(rank=0, step=8, marker=marker), loader(shuffle=True), loader(n=32))
     assert trainer.global_step == 18
     assert "fit resumes after epoch 0 (global step 6)" in caplog.text
     # the restarted attempt logs on in the first one's folder, which keeps the rows before the
-    # checkpoint (Lightning's CSV writer would delete them) and not those trained again
+    # checkpoint (Lightning's CSV writer would delete them) and not those trained again; its
+    # validation rows have columns of their own, which the file keeps
     assert [p.name for p in (tmp_path / "logs" / "lightning_logs").iterdir()] == ["version_0"]
     assert logger.version == 0
     with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as file:
-        assert [int(row["step"]) for row in csv.DictReader(file)] == list(range(18))
+        rows = list(csv.DictReader(file))
+    assert [int(row["step"]) for row in rows if row["train_loss"]] == list(range(18))
+    assert [int(row["epoch"]) for row in rows if row["val_loss"]] == [0, 1, 2]
     # the run's own folder of the storage held it; a run that succeeded leaves nothing there
     assert list(storage.rglob("*.ckpt")) == []
 

@@ -174,7 +174,9 @@ class EpochSizeReporter(NodeReporter):
             )
 
     def training_step(self, batch, batch_idx):
-        time.sleep(0.2 if self.trainer.world_size == 1 else 0.02)
+        # slow until the node is gone, and on one worker: the run regroups before its end
+        removed = Path(self.folder, "node-removed").exists()
+        time.sleep(0.2 if self.trainer.world_size == 1 or not removed else 0.02)
         return TinyModel.training_step(self, batch, batch_idx)
 
 
@@ -216,6 +218,7 @@ def test_an_elastic_fit_shrinks_when_a_node_is_lost_and_grows_when_one_comes_bac
             # the checkpoint of epoch 0 is written once epoch 1 starts
             wait_for(lambda: (tmp_path / "epoch-1").exists(), "second epoch")
             cluster.remove_node(worker_node, allow_graceful=False)
+            (tmp_path / "node-removed").touch()
             wait_for(
                 lambda: "1" in {p.read_text() for p in tmp_path.glob("epoch-*")},
                 "epoch on one worker",

@@ -55,7 +55,7 @@ def set_logger_version(logger: Any, version: Any) -> None:
 def continue_logger(logger: Any, version: Any, before_step: int) -> None:
     """Runs on rank 0 of a restarted attempt. The logger writes on in the folder (``version``)
     of the attempt before, as TensorBoard's does; a CSV logger also keeps the rows that attempt
-    logged before ``before_step`` (the checkpoint's global step: later rows are trained again),
+    logged before ``before_step`` (the checkpoint's logging step: later rows are trained again),
     which Lightning's CSV writer would delete when it starts in a folder that has them."""
     if version is None or not hasattr(logger, "_version"):
         return
@@ -71,16 +71,26 @@ def continue_logger(logger: Any, version: Any, before_step: int) -> None:
     if not filesystem.isfile(path):
         return
     with filesystem.open(path, "r", newline="") as file:
-        rows = list(csv.DictReader(file))
-    header = list(rows[0]) if rows else []
+        reader = csv.DictReader(file)
+        rows = list(reader)
+        header = list(reader.fieldnames or [])
     kept = [row for row in rows if _step_of(row) < before_step]
-    _ = logger.experiment  # the writer, which deletes the file it finds
+    writer = logger.experiment  # Lightning's writer, which deletes the file it finds
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=header)
-    writer.writeheader()
-    writer.writerows(kept)
+    rows_writer = csv.DictWriter(out, fieldnames=header)
+    rows_writer.writeheader()
+    rows_writer.writerows(kept)
     with filesystem.open(path, "w", newline="") as file:
         file.write(out.getvalue())
+    # the columns the file has: a later row with other keys rewrites it with all of them
+    writer.metrics_keys = list(header)
+
+
+def logged_step(trainer: Any) -> int:
+    """Runs on a worker. The step Lightning's loggers record rows at now (optimizer steps that
+    were taken, counted once per batch: ``global_step`` counts each optimizer's step)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return int(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step))
 
 
 def _step_of(row: dict[str, str]) -> float:

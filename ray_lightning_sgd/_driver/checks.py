@@ -54,6 +54,28 @@ def check_trainer(trainer: pl.Trainer, strategy: LaunchSettings) -> None:
         )
 
 
+def check_global_batch(trainer: pl.Trainer, model: Any, strategy: LaunchSettings) -> None:
+    """Driver side: refuses, before Ray starts, what ``keep_global_batch_size`` cannot scale."""
+    if not strategy.keep_global_batch_size:
+        return
+    name = type(strategy).__name__
+    scheduler = next(
+        (cb for cb in trainer.callbacks if type(cb).__name__ == "GradientAccumulationScheduler"),  # type: ignore[attr-defined]
+        None,
+    )
+    if scheduler is not None:
+        raise ConfigurationError(
+            f"{name}(keep_global_batch_size=True) scales Trainer(accumulate_grad_batches=...), "
+            "which a GradientAccumulationScheduler sets anew each epoch: remove one of them"
+        )
+    if model is not None and getattr(model, "automatic_optimization", True) is False:
+        raise ConfigurationError(
+            f"{name}(keep_global_batch_size=True) scales accumulate_grad_batches, which manual "
+            "optimization does not use (Lightning refuses it there): accumulate in "
+            "training_step from self.trainer.world_size, or pass keep_global_batch_size=False"
+        )
+
+
 def pack_payload(payload: Payload) -> Packed:
     """Driver side: pickles the payload for the object store, naming what cannot be pickled.
 

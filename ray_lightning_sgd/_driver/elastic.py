@@ -69,10 +69,20 @@ class GrowthWatch:
         #: The resume point the driver held when room appeared; a later one ends the attempt.
         self._room_at: ResumePoint | None = None
         self._room = False
+        #: The size before the last regroup, while the next attempt has not started.
+        self._regrouped_from: int | None = None
 
     def attach(self, size: int) -> None:
-        """An attempt starts with ``size`` workers; the first probe waits one interval."""
+        """An attempt starts with ``size`` workers; the first probe waits one interval (twice
+        as long after a regroup that did not grow: the room was gone, or too small)."""
         self.close()
+        if self._regrouped_from is not None and size <= self._regrouped_from:
+            self._interval_s = min(self._interval_s * 2, 3600.0)
+            log.info(
+                "The regroup found no room for more than %d workers; the next look in %.0f s",
+                size, self._interval_s,
+            )  # fmt: skip
+        self._regrouped_from = None
         self._size = size
         self._room = False
         self._next_probe = self._clock() + self._interval_s
@@ -91,6 +101,7 @@ class GrowthWatch:
             return
         if self._max_epochs is not None and resume.epoch + 1 >= self._max_epochs:
             return  # the run has no epoch left to train
+        self._regrouped_from = self._size
         raise Regroup(
             f"the cluster has room for more than {self._size} workers; the run regroups after "
             f"epoch {resume.epoch}"
@@ -109,11 +120,19 @@ class GrowthWatch:
             if now < self._next_probe:
                 return False
             self._next_probe = now + self._interval_s
-            self._probe = self._start_probe()
+            try:
+                self._probe = self._start_probe()
+            except Exception:  # the cluster did not answer: no room this time
+                log.debug("Could not start a growth probe", exc_info=True)
+                return False
             self._probe_since = now
         # its state, not a task in it (placed at once, where a task would wait for a worker
         # process to start on the new node)
-        ready = placement_group_table(self._probe).get("state") == "CREATED"
+        try:
+            ready = placement_group_table(self._probe).get("state") == "CREATED"
+        except Exception:  # a probe that cannot be read found no room
+            log.debug("Could not read the growth probe's state", exc_info=True)
+            ready = False
         if ready or now - self._probe_since > _PROBE_WAIT_S:
             self.close()
             if ready:
@@ -124,12 +143,15 @@ class GrowthWatch:
     def _start_probe(self) -> PlacementGroup:
         config = self._config
         bundle = dict(config.resources_per_worker)
+        # the next size the run may take (keep_global_batch_size skips some)
+        larger = min(size for size in config.sizes if size > self._size)
         if config.placement_strategy in ("STRICT_PACK", "STRICT_SPREAD"):
             # the larger group must fit as a whole, beside this one (which holds its resources):
             # never room where there is none, at the cost of missing some
-            bundles, strategy = [bundle] * (self._size + 1), config.placement_strategy
+            bundles, strategy = [bundle] * larger, config.placement_strategy
         else:
-            bundles, strategy = [bundle], "PACK"  # one more bundle anywhere: the group fits
+            # the bundles the larger group adds, anywhere: with this one's, the group fits
+            bundles, strategy = [bundle] * (larger - self._size), "SPREAD"
         name = f"{NAME_PREFIX}-probe-{uuid.uuid4().hex[:12]}"
         return placement_group(bundles, strategy=strategy, name=name)
 

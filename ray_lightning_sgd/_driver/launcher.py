@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._driver import elastic, runs
-from ray_lightning_sgd._driver.checks import check_trainer, pack_payload
+from ray_lightning_sgd._driver.checks import check_global_batch, check_trainer, pack_payload
 from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
 from ray_lightning_sgd._driver.recovery import recover_results_in_driver
@@ -98,10 +98,13 @@ class RayLauncherBase(_Base):
         With a Trainer, the driver's Trainer and model afterwards hold what the workers produced.
         """
         strategy, failure = self._strategy, self._strategy.failure_config
+        self.world_sizes = {}
+        fitting = trainer is not None and trainer.state.fn == FITTING
         if trainer is not None:
             check_trainer(trainer, strategy)
+            if fitting:
+                check_global_batch(trainer, args[0] if args else kwargs.get("model"), strategy)
         cluster.connect()
-        fitting = trainer is not None and trainer.state.fn == FITTING
         run_id = uuid.uuid4().hex[:12]
         callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
         inbox = _inbox_for(trainer, callbacks, failure)
@@ -237,11 +240,10 @@ class RayLauncherBase(_Base):
                 run_on_worker, packed, imports, watch=watch, watch_interval_s=interval
             )
         except WorkerDiedError as err:
-            if inbox is not None and inbox.sigterm_ranks and not err.preempted:
+            if inbox is not None and err.rank in inbox.sigterm_ranks and not err.preempted:
                 # a worker warned of its end by SIGTERM (a spot node, a drain) is preempted
                 err.preempted = True
-                ranks = ", ".join(str(rank) for rank in sorted(inbox.sigterm_ranks))
-                err.add_note(f"Rank {ranks} received SIGTERM before: counted as a preemption")
+                err.add_note(f"Rank {err.rank} received SIGTERM before: counted as a preemption")
             raise
         if inbox is not None:
             inbox.finish()  # the last output and events: the workers left them before returning

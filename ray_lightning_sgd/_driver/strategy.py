@@ -619,6 +619,11 @@ def _worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, 
     if isinstance(num_workers, list):  # as LightningCLI and YAML give a pair
         num_workers = tuple(num_workers)
     if not isinstance(num_workers, tuple):
+        if keep_global_batch_size:
+            raise ConfigurationError(
+                f"keep_global_batch_size=True applies to an elastic num_workers=(min, max); with "
+                f"num_workers={num_workers!r} the global batch never changes: leave it out"
+            )
         return num_workers, ()  # WorkerGroupConfig checks it
     pair = num_workers
     if len(pair) != 2 or not all(
@@ -637,9 +642,10 @@ def _worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, 
         n for n in range(high, low - 1, -1) if not keep_global_batch_size or high % n == 0
     )
     if keep_global_batch_size and len(sizes) < 2 and low < high:
+        divisor = max(n for n in range(1, high) if high % n == 0)
         raise ConfigurationError(
             f"keep_global_batch_size=True takes only worker counts that divide max={high}, and "
-            f"num_workers=({low}, {high}) holds none below {high}: lower min (to {high // 2} or "
+            f"num_workers=({low}, {high}) holds none below {high}: lower min (to {divisor} or "
             "less), or pass keep_global_batch_size=False"
         )
     return high, sizes if len(sizes) > 1 else ()

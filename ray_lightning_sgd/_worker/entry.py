@@ -300,7 +300,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
                 for logger, version in zip(
                     trainer.loggers, payload.resume.logger_versions, strict=False
                 ):
-                    _compat.continue_logger(logger, version, payload.resume.global_step)
+                    _compat.continue_logger(logger, version, payload.resume.logged_step)
             args, kwargs = _compat.with_ckpt_path(payload.function, args, kwargs, resume_file)
         callbacks_of(trainer).extend(ours)
     output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()

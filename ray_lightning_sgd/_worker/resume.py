@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ray_lightning_sgd._compat import logged_step
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ class ResumePoint:
     #: Rank 0's loggers' versions: a restarted attempt's loggers go on writing the same folders
     #: (without them, each attempt's CSV and TensorBoard loggers would pick the next version).
     logger_versions: tuple[Any, ...] = ()
+    #: The step the loggers recorded rows at when it was written (rows from it on are logged
+    #: again by the restarted attempt).
+    logged_step: int = 0
 
 
 class ResumeCheckpointBase:
@@ -93,7 +97,7 @@ class ResumeCheckpointBase:
                 _delete_all_but_last(self._storage, self._keep_last)
             point = ResumePoint(
                 trainer.current_epoch, trainer.global_step, uri=uri,
-                logger_versions=_logger_versions(trainer),
+                logger_versions=_logger_versions(trainer), logged_step=logged_step(trainer),
             )  # fmt: skip
         else:
             fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
@@ -106,7 +110,7 @@ class ResumeCheckpointBase:
                 os.unlink(path)
             point = ResumePoint(
                 trainer.current_epoch, trainer.global_step, data=data,
-                logger_versions=_logger_versions(trainer),
+                logger_versions=_logger_versions(trainer), logged_step=logged_step(trainer),
             )  # fmt: skip
         if trainer.global_rank == 0:
             # the checkpoint is safe in the driver before training goes on

@@ -307,13 +307,17 @@ class WorkerGroup:
             )
             is None
         ] or [config.min_workers]
+        # larger sizes are tried within half the time at most: the smallest keeps the rest
+        tries_end = time.monotonic() + remaining(deadline) / 2
         for size in possible:
             smallest = size == possible[-1]
+            if not smallest and remaining(tries_end) <= 0:
+                continue
             group = placement_group(
                 [bundle] * size, strategy=config.placement_strategy, name=self._name
             )
             self._placement_group = group  # so that shutdown() frees it if the wait is interrupted
-            wait_s = remaining(deadline) if smallest else min(_PROBE_S, remaining(deadline))
+            wait_s = remaining(deadline) if smallest else min(_PROBE_S, remaining(tries_end))
             ready, _ = ray.wait([group.ready()], timeout=wait_s)
             if ready:
                 if config.elastic:

@@ -52,6 +52,8 @@ class _Worker:
         # an actor is created in its process's main thread, the only one that installs handlers
         if threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGTERM)
+            if previous is None:  # installed outside Python: its action is the default's
+                previous = signal.SIG_DFL
             signal.signal(
                 signal.SIGTERM, lambda signum, frame: self._on_sigterm(previous, signum, frame)
             )
