@@ -57,10 +57,8 @@ def continue_logger(logger: Any, version: Any, before_step: int) -> None:
     of the attempt before, as TensorBoard's does; a CSV logger also keeps the rows that attempt
     logged before ``before_step`` (the checkpoint's logging step: later rows are trained again),
     which Lightning's CSV writer would delete when it starts in a folder that has them."""
-    if version is None or not hasattr(logger, "_version"):
-        return
-    logger._version = version
-    if not any(cls.__name__ == "CSVLogger" for cls in type(logger).__mro__):
+    set_logger_version(logger, version)
+    if version is None or not any(cls.__name__ == "CSVLogger" for cls in type(logger).__mro__):
         return
     import csv
     import io

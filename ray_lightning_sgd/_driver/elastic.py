@@ -71,6 +71,8 @@ class GrowthWatch:
         self._room = False
         #: The size before the last regroup, while the next attempt has not started.
         self._regrouped_from: int | None = None
+        #: Inside a Ray Tune trial's reservation (fixed), no run grows.
+        self._reservation_is_fixed = get_current_placement_group() is not None
 
     def attach(self, size: int) -> None:
         """An attempt starts with ``size`` workers; the first probe waits one interval (twice
@@ -91,8 +93,8 @@ class GrowthWatch:
         """Driver side, while the workers run: probes the cluster when due; raises
         :class:`Regroup` when there is room and ``resume`` is a checkpoint newer than the
         moment room appeared."""
-        if self._size >= self._config.num_workers or get_current_placement_group() is not None:
-            return  # at its most, or inside a Tune trial's fixed reservation
+        if self._size >= self._config.num_workers or self._reservation_is_fixed:
+            return
         if not self._room:
             self._room = self._probed()
             self._room_at = resume

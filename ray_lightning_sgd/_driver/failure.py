@@ -63,11 +63,7 @@ class FailureConfig:
                 f"{self.max_preemptions!r}"
             )
         timeout = self.progress_timeout_s
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not (math.isfinite(timeout) and timeout > 0)
-        ):
+        if timeout is not None and not _is_seconds(timeout):
             raise ConfigurationError(
                 f"progress_timeout_s must be a number of seconds > 0, or None, got {timeout!r}"
             )
@@ -96,15 +92,20 @@ class FailureConfig:
                 )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise ConfigurationError(f"keep_last must be an int >= 1, got {self.keep_last!r}")
-        interval = self.resize_interval_s
-        if (
-            isinstance(interval, bool)
-            or not isinstance(interval, (int, float))
-            or not (math.isfinite(interval) and interval > 0)
-        ):
+        if not _is_seconds(self.resize_interval_s):
             raise ConfigurationError(
-                f"resize_interval_s must be a number of seconds > 0, got {interval!r}"
+                f"resize_interval_s must be a number of seconds > 0, got {self.resize_interval_s!r}"
             )
+
+
+def _is_seconds(value: Any) -> bool:
+    """Whether ``value`` is a finite number of seconds > 0 (not a bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 def _is_int(value: Any) -> bool:

@@ -100,10 +100,11 @@ class RayLauncherBase(_Base):
         strategy, failure = self._strategy, self._strategy.failure_config
         self.world_sizes = {}
         fitting = trainer is not None and trainer.state.fn == FITTING
+        model = args[0] if args else kwargs.get("model")
         if trainer is not None:
             check_trainer(trainer, strategy)
             if fitting:
-                check_global_batch(trainer, args[0] if args else kwargs.get("model"), strategy)
+                check_global_batch(trainer, model, strategy)
         cluster.connect()
         run_id = uuid.uuid4().hex[:12]
         callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
@@ -119,7 +120,6 @@ class RayLauncherBase(_Base):
         )
         first: ResumePoint | None = None
         if fitting and failure.run_name is not None and storage is not None:
-            model = args[0] if args else kwargs.get("model")
             settings = runs.run_settings(strategy, model)
             first = runs.resume_named_run(storage, failure.run_name, settings)
             if first is not None and _compat.ckpt_path_of(function, args, kwargs) is not None:

@@ -106,8 +106,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         max_preemptions: Restart this many times after Ray reported a worker's node preempted
             (drained for preemption: a spot node, an autoscaler's drain), without counting
             against ``max_failures``; -1 (default): no limit, 0: never. Like any restart, ``fit``
-            resumes from the latest resume checkpoint if one is written (``max_failures`` or
-            ``run_name``), else starts over.
+            resumes from the latest resume checkpoint if one is written (``max_failures``,
+            ``run_name`` or an elastic ``num_workers``), else starts over.
         progress_timeout_s: Raise ``WorkerTimeoutError`` naming the rank when a rank makes no
             progress (no batch, no stage) for this long: a deadlock or an endless loop.
         checkpoint_every_n_epochs: Epochs between resume checkpoints.

@@ -40,7 +40,12 @@ from ray_lightning_sgd._worker.hardware import (
 )
 from ray_lightning_sgd._worker.output import OutputForwarder
 from ray_lightning_sgd._worker.progress import ProgressReporterBase
-from ray_lightning_sgd._worker.resume import ResumeCheckpointBase, ResumePoint, materialise
+from ray_lightning_sgd._worker.resume import (
+    ResumeCheckpointBase,
+    ResumePoint,
+    logger_versions,
+    materialise,
+)
 from ray_lightning_sgd._worker_group.context import get_worker_context
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
@@ -408,7 +413,7 @@ def _collect_results(
         progress_bar_metrics=to_cpu(dict(progress_bar_metrics)),
         should_stop=trainer.should_stop,
         files={},
-        logger_versions=[getattr(logger, "version", None) for logger in trainer.loggers],
+        logger_versions=logger_versions(trainer),
     )
     return WorkerOutput(to_cpu(results), rank_zero, predictions)
 

@@ -95,11 +95,9 @@ class ResumeCheckpointBase:
                 trainer.save_checkpoint(uri)
             if trainer.global_rank == 0:
                 _delete_all_but_last(self._storage, self._keep_last)
-            point = ResumePoint(
-                trainer.current_epoch, trainer.global_step, uri=uri,
-                logger_versions=_logger_versions(trainer), logged_step=logged_step(trainer),
-            )  # fmt: skip
+            data = None
         else:
+            uri = None
             fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
             os.close(fd)
             try:
@@ -108,10 +106,11 @@ class ResumeCheckpointBase:
                 data = _read(path) if trainer.global_rank == 0 else None
             finally:
                 os.unlink(path)
-            point = ResumePoint(
-                trainer.current_epoch, trainer.global_step, data=data,
-                logger_versions=_logger_versions(trainer), logged_step=logged_step(trainer),
-            )  # fmt: skip
+        point = ResumePoint(
+            trainer.current_epoch, trainer.global_step, data=data, uri=uri,
+            logger_versions=tuple(logger_versions(trainer)) if trainer.global_rank == 0 else (),
+            logged_step=logged_step(trainer),
+        )  # fmt: skip
         if trainer.global_rank == 0:
             # the checkpoint is safe in the driver before training goes on
             outbox = get_outbox()
@@ -163,12 +162,9 @@ def _delete_all_but_last(storage: str, keep_last: int) -> None:
             log.warning("Could not delete the old resume checkpoint %s: %s", point.uri, err)
 
 
-def _logger_versions(trainer: pl.Trainer) -> tuple[Any, ...]:
-    """Runs on each worker. Rank 0's loggers' versions (resolved there: a folder it writes to);
-    none on the other ranks, whose loggers write nothing."""
-    if trainer.global_rank != 0:
-        return ()
-    return tuple(logger.version for logger in trainer.loggers)
+def logger_versions(trainer: pl.Trainer) -> list[Any]:
+    """Runs on rank 0. Its loggers' versions (resolved there: the folders it writes to)."""
+    return [getattr(logger, "version", None) for logger in trainer.loggers]
 
 
 def _read(path: str) -> bytes:

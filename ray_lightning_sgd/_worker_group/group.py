@@ -299,13 +299,11 @@ class WorkerGroup:
             # a Ray Tune trial (or any task in a placement group): use its bundles, not a second
             # group that the trial's own reservation may leave no room for
             return enclosing, bundles_for_workers(enclosing.bundle_specs, bundle, sizes)
+        nodes = cluster.node_resources()
         possible = [
             size
             for size in sizes
-            if cluster.placement_problem(
-                bundle, size, config.placement_strategy, cluster.node_resources()
-            )
-            is None
+            if cluster.placement_problem(bundle, size, config.placement_strategy, nodes) is None
         ] or [config.min_workers]
         # larger sizes are tried within half the time at most: the smallest keeps the rest
         tries_end = time.monotonic() + remaining(deadline) / 2
