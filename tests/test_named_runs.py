@@ -83,7 +83,10 @@ def test_a_killed_driver_started_again_resumes_its_run(free_cluster, tmp_path):
     assert "global step 18" in out, out[-3000:]  # 3 epochs of 6 steps, as if never stopped
     # the last two resume checkpoints stay, for a driver that dies later
     kept = sorted(p.name for p in (storage / "digits-v3").glob("*.ckpt"))
-    assert kept == ["resume-epoch=1-step=12.ckpt", "resume-epoch=2-step=18.ckpt"], kept
+    assert kept == ["resume-epoch=1-step=12.ckpt", "resume-epoch=2-step=18.ckpt"], (
+        kept,
+        out[-3000:],
+    )
 
     pl.seed_everything(0)
     model = TinyModel()
