@@ -62,6 +62,8 @@ class Run:
         self.mode = mode
         self.root = root
         self.records: list[tuple[str, dict[str, Any]]] = []
+        #: How DataLoader worker processes start (None: the platform's default, fork on Linux).
+        self.worker_start_method = "forkserver" if mode == "ddp" else None
 
     def strategy(self, namespace: Any = pl) -> dict[str, Any]:
         if self.mode == "ddp":
@@ -590,12 +592,18 @@ class _Writer(BasePredictionWriter):
 
 @case
 def case_predict_writer_and_dataloader_workers(run: Run) -> None:
+    """DataLoader worker processes. Ours fork them, as users' code does; the ``ddp`` reference
+    starts them from a forkserver (:mod:`tests.parity.reference` preloads torch in it): a forked
+    worker of a ``ddp`` rank deadlocked at birth, in CPython 3.11.7's ``PyOS_AfterFork_Child``
+    (python/cpython#112275, fixed in later 3.11 releases), twice in CI and once in 34 runs here. The start
+    method changes no number: the workers' seeds come from the loader's RNG either way."""
     pl.seed_everything(11)
     model = Classifier()
     trainer = run.trainer(callbacks=[_Writer(write_interval="epoch")])
-    trainer.fit(model, loader(shuffle=True, num_workers=1))
+    workers = {"num_workers": 1, "multiprocessing_context": run.worker_start_method}
+    trainer.fit(model, loader(shuffle=True, **workers))
     run.record("fit", trainer, model)
-    trainer.predict(model, loader(40, num_workers=1), return_predictions=False)
+    trainer.predict(model, loader(40, **workers), return_predictions=False)
     run.record("predict", trainer, model)
 
 

@@ -8,6 +8,7 @@ in the same order, each case in its own folder ``OUT/ddp/<case>``.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import traceback
@@ -25,6 +26,9 @@ def main() -> None:
     rank_zero = os.environ.get("LOCAL_RANK", "0") == "0"
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    # DataLoader workers start from a forkserver here (see Run.worker_start_method): with torch
+    # loaded in it once, a worker starts as fast as a forked one.
+    multiprocessing.set_forkserver_preload(["torch", "tests.parity.cases"])
     for name in names:
         run = Run("ddp", out / "ddp" / name)
         try:
