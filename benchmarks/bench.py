@@ -49,22 +49,29 @@ MODES = (
     "ddp_bar",
     "ray_sgd_bar",
 )
+#: Modes run only when asked for: warm workers without the preemption check at each step start
+#: (``max_preemptions=0``), to show what that check costs.
+EXTRA_MODES = ("ray_sgd_no_preemption",)
 #: Modes that run another with Lightning's TQDM progress bar on (on the driver for ray_sgd).
 WITH_BAR = {"ddp_bar": "ddp", "ray_sgd_bar": "ray_sgd_warm"}
 #: ``--gpu``: every mode on the GPUs of this machine (one worker per GPU), in bf16-mixed.
 GPU = os.environ.get("BENCH_GPU") == "1"
 WORKERS = max(1, torch.cuda.device_count()) if GPU else 2
+#: ``--small``: a 64-wide MLP whose steps take about a millisecond, where a cost paid once a step
+#: shows (the default's steps take tens of milliseconds on CPU).
+SMALL = os.environ.get("BENCH_SMALL") == "1"
 BATCH = 128
-FEATURES = 1024
+FEATURES = 64 if SMALL else 1024
+HIDDEN = 64 if SMALL else 1024
 STEPS_PER_RANK = 100
 WARMUP_STEPS = 5
 SHIP_WORKERS = (1, 2, 4)
 
 
 class MLP(pl.LightningModule):
-    """About 2.1 million parameters."""
+    """About 2.1 million parameters (9,000 with ``--small``)."""
 
-    def __init__(self, features: int = FEATURES, hidden: int = 1024, layers: int = 2) -> None:
+    def __init__(self, features: int = FEATURES, hidden: int = HIDDEN, layers: int = 2) -> None:
         super().__init__()
         blocks: list[nn.Module] = []
         width = features
@@ -196,13 +203,15 @@ def run_mode(mode: str, out: str) -> None:
             from ray_lightning_sgd import RaySGDStrategy
 
             ray_init = _init_ray()
-            strategy: object = RaySGDStrategy(num_workers=WORKERS, use_gpu=GPU)
-            if mode == "ray_sgd_warm":  # a first call starts the workers; the timed one reuses them
+            # max_preemptions=0: no resume checkpoint at a SIGTERM, so no check at each step
+            options = {"max_preemptions": 0} if mode == "ray_sgd_no_preemption" else {}
+            strategy: object = RaySGDStrategy(num_workers=WORKERS, use_gpu=GPU, **options)
+            if mode != "ray_sgd_cold":  # a first call starts the workers; the timed one reuses them
                 pl.seed_everything(0)
                 pl.Trainer(strategy=strategy, **_trainer_kwargs(out + ".untimed")).fit(
                     MLP(), _loader(WORKERS)
                 )
-                strategy = RaySGDStrategy(num_workers=WORKERS, use_gpu=GPU)
+                strategy = RaySGDStrategy(num_workers=WORKERS, use_gpu=GPU, **options)
             ranks = WORKERS
         elif mode == "single":
             strategy, ranks = "auto", 1
@@ -352,17 +361,21 @@ def _in_subprocess(flag: str, value: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + EXTRA_MODES)
     parser.add_argument("--transfer-params", type=int, default=100_000_000)
     parser.add_argument("--ship-mb", type=int, default=256)
-    parser.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--run", choices=MODES + EXTRA_MODES, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--transfer", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ship", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--gpu", action="store_true", help="run the modes on this machine's GPUs")
+    parser.add_argument("--small", action="store_true", help="a 64-wide MLP: steps of about 1 ms")
     args = parser.parse_args()
-    if args.gpu and not GPU:  # the module's settings (and every run's) read the variable
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "BENCH_GPU": "1"})
+    # the module's settings (and every run's) read these variables
+    wanted = {"BENCH_GPU": args.gpu and not GPU, "BENCH_SMALL": args.small and not SMALL}
+    if any(wanted.values()):
+        flags = {name: "1" for name, on in wanted.items() if on}
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **flags})
     if args.run:
         return run_mode(args.run, args.out)
     if args.transfer:
@@ -409,6 +422,10 @@ def _has_ray_train() -> bool:
     return True
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
 def _print_table(medians, repeats, load_before, load_after) -> None:
     ref = medians.get("ddp")
     columns = [
@@ -421,7 +438,7 @@ def _print_table(medians, repeats, load_before, load_after) -> None:
     ]
     print(
         f"\n{WORKERS} workers{f' on GPUs ({torch.cuda.get_device_name()}), bf16-mixed' if GPU else ''}"
-        f", {sum(p.numel() for p in MLP().parameters()) / 1e6:.1f}M-parameter "
+        f", {_count(sum(p.numel() for p in MLP().parameters()))}-parameter "
         f"MLP, batch {BATCH}, {STEPS_PER_RANK} steps per rank, 1 thread per worker; medians of "
         f"{repeats} fresh-process runs; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after; (x) = ratio to Lightning ddp\n"
@@ -433,7 +450,9 @@ def _print_table(medians, repeats, load_before, load_after) -> None:
         for key, _, scale in columns:
             value = row[key] * (1000 if scale == 1000 else 1)
             text = f"{value:.0f}" if scale in (0, 1000) else f"{value:.2f}"
-            if ref and ref[key] >= 0.01:  # ddp hands nothing back: no ratio for "back"
+            if scale == 1000 and value < 10:  # --small's steps take a few milliseconds
+                text = f"{value:.2f}"
+            if ref and key != "back" and ref[key] > 0:  # ddp hands nothing back
                 text += f" ({row[key] / ref[key]:.2f}x)"
             cells.append(text)
         init = f"{row['ray_init']:.2f}" if row["ray_init"] else "-"

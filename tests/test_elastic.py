@@ -158,3 +158,6 @@ def test_world_sizes_by_epoch_follow_the_attempt_that_trained_each_epoch():
     assert (
         describe(by_epoch) == "epochs 0-1: 2 workers; epochs 2-4: 1 worker; epochs 5-6: 2 workers"
     )
+    # a preemption's point inside epoch 5: that epoch ends on the restart's size
+    sizes.attempt(ResumePoint(5, 44, batches=2), 1)
+    assert sizes.by_epoch(7) == {**by_epoch, 5: 1, 6: 1}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -17,6 +18,7 @@ import ray
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ray_lightning_sgd import (
     ConfigurationError,
@@ -24,6 +26,7 @@ from ray_lightning_sgd import (
     WorkerDiedError,
     WorkerTimeoutError,
 )
+from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
 from tests.conftest import leftovers
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
 
@@ -156,29 +159,73 @@ class Terminated(TinyModel):
         if self.global_rank == 1 and self.global_step == 8 and not os.path.exists(self.marker):
             Path(self.marker).write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGTERM)
-        if os.path.exists(self.marker) and Path(self.marker).read_text() == str(os.getpid()):
-            time.sleep(0.5)  # the process outlives its notice by a few seconds, no more
+        # steps of 0.25 s: the ranks exchange notices about every 0.5 s, here every 2 steps
+        time.sleep(0.25)
         return super().training_step(batch, batch_idx)
 
 
-def test_a_worker_terminated_by_sigterm_is_a_preemption(ray_cluster, tmp_path, caplog):
+def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(ray_cluster, tmp_path, caplog):
     pl.seed_everything(0)
     reference = TinyModel()
-    _fit(reference, RaySGDStrategy(num_workers=2))
+    _fit(reference, RaySGDStrategy(num_workers=2), max_epochs=2)
     marker = str(tmp_path / "terminated")
     pl.seed_everything(0)
     model = Terminated(marker)
-    # max_failures=0: a worker failure would end the fit; a preemption restarts it (no limit)
+    # max_failures=0 and no resume checkpoints: a preemption restarts (no limit) from the
+    # checkpoint rank 0 writes where the notice arrived
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
-        got = _fit(model, RaySGDStrategy(num_workers=2))
+        got = _fit(model, RaySGDStrategy(num_workers=2), max_epochs=2)
     assert os.path.exists(marker), "no SIGTERM was sent"
     assert "Rank 1 (node " in caplog.text and "received SIGTERM" in caplog.text
     assert "Restart 1 (no limit) after a preemption" in caplog.text, caplog.text
-    assert got.global_step == 18
+    # 6 steps an epoch; the notice came in step 8: the ranks learn of it at the next exchange
+    # (every 2 steps here) after the handler ran (in the worker's main thread)
+    where = re.search(
+        r"fit resumes in epoch 1 after (\d+) batches \(global step (\d+)\)", caplog.text
+    )
+    assert where is not None, caplog.text
+    batches, step = int(where[1]), int(where[2])
+    assert 8 < step <= 11 and batches == step - 6, where[0]
+    assert got.global_step == 12
     diff = max(
         (model.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items()
     )
     assert diff <= 1e-6, f"the restarted run's weights differ by {diff}"
+
+
+@pytest.mark.parametrize(("trained_on", "resumed_on"), [(2, 2), (2, 1), (4, 2), (2, 3)])
+def test_an_epoch_resumed_inside_deals_the_samples_it_had_not_trained(trained_on, resumed_on):
+    """What a restart from a preemption's checkpoint feeds each rank: the rest of the epoch's
+    order (the shuffling sampler set to that epoch, which Lightning sets only later), on the
+    same or another number of workers; later epochs whole."""
+    dataset, epoch, batches, batch_size = TensorDataset(torch.arange(96)), 3, 2, 4
+
+    def loader_of(rank: int, world: int) -> DataLoader:
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=5)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+    def samples(dataloader: DataLoader) -> list[int]:
+        return [int(value) for (batch,) in dataloader for value in batch]
+
+    trained: set[int] = set()
+    for rank in range(trained_on):
+        dataloader = loader_of(rank, trained_on)
+        dataloader.sampler.set_epoch(epoch)
+        trained |= set(samples(dataloader)[: batches * batch_size])
+    rest: list[int] = []
+    for rank in range(resumed_on):
+        dataloader = loader_of(rank, resumed_on)  # its sampler at epoch 0, as Lightning has it
+        callback = ResumeCheckpointBase(0, None)
+        callback.load_state_dict({"batches": batches, "world_size": trained_on})
+        callback.resume_inside_epoch(dataloader, epoch, resumed_on)
+        rest += samples(dataloader)
+        assert len(samples(dataloader)) == 96 // resumed_on, "the next epoch is not whole"
+    untrained = set(range(96)) - trained
+    if (batches * trained_on) % resumed_on == 0:
+        assert sorted(rest) == sorted(untrained)
+    else:  # rounded down to whole batches: less than a batch a rank is trained twice
+        assert set(rest) >= untrained
+        assert 0 < len(rest) - len(untrained) < resumed_on * batch_size
 
 
 def test_restarts_stop_after_max_failures(ray_cluster, tmp_path):

@@ -105,8 +105,8 @@ class GrowthWatch:
             return  # the run has no epoch left to train
         self._regrouped_from = self._size
         raise Regroup(
-            f"the cluster has room for more than {self._size} workers; the run regroups after "
-            f"epoch {resume.epoch}"
+            f"the cluster has room for more than {self._size} workers; the run regroups "
+            f"{resume.describe()}"
         )
 
     def close(self) -> None:
@@ -167,7 +167,8 @@ class WorldSizes:
 
     def attempt(self, resume: ResumePoint | None, size: int) -> None:
         """An attempt with ``size`` workers starts from ``resume`` (None: from the first epoch)."""
-        first = 0 if resume is None else resume.epoch + 1
+        # a point inside an epoch (a preemption's): that epoch ends on the new size
+        first = 0 if resume is None else resume.epoch + (resume.batches is None)
         if self._attempts:
             log.info("Epochs from %d train on %d workers", first, size)
         self._attempts.append((first, size))

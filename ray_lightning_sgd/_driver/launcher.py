@@ -140,6 +140,7 @@ class RayLauncherBase(_Base):
                 if failure.writes_resume_checkpoints or group_config.elastic
                 else 0
             ),
+            resume_on_preemption=failure.max_preemptions != 0,
             resume_storage=storage, resume_keep_last=failure.keep_last,
             resume_storage_kept=failure.run_name is not None, artifacts=mirror,
             results_in_band=_compat.ray.driver_is_a_client(),
@@ -413,6 +414,6 @@ def _log_restart(
     elif resume is None:
         where = "fit starts over: no resume checkpoint was written yet"
     else:
-        where = f"fit resumes after epoch {resume.epoch} (global step {resume.global_step})"
+        where = f"fit resumes {resume.describe()}"
     cause = "a preemption" if err.preempted else "a worker failure"
     log.warning("Restart %d (%s) after %s: %s; %s", failures, limit, cause, err, where)

@@ -33,6 +33,7 @@ from ray_lightning_sgd._driver.launcher import RayLauncherBase
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._worker.environment import RayEnvironmentBase
 from ray_lightning_sgd._worker.hardware import Family, PrecisionRequest, WorkerPrecisionBase
+from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
 from ray_lightning_sgd._worker_group import cluster
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd.exceptions import ConfigurationError
@@ -462,6 +463,21 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     def make_launcher(self) -> RayLauncherBase:
         """Returns the launcher Lightning uses for this strategy."""
         return self.launcher_class(self)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Runs on each worker. Lightning's, then a fit restarted from an in-epoch resume
+        checkpoint (a preemption's) skips, in its train DataLoader's first epoch, the batches
+        that epoch had trained."""
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training:
+            for callback in trainer.callbacks:  # type: ignore[attr-defined]
+                if isinstance(callback, ResumeCheckpointBase):
+                    callback.resume_inside_epoch(
+                        dataloader, trainer.current_epoch, trainer.world_size
+                    )
+        return dataloader
 
 
 class _SamplesByWorldRank:

@@ -80,6 +80,8 @@ class Payload(NamedTuple):
     report_progress: bool = False
     #: Epochs between resume checkpoints of a ``fit``; 0: none (no restarts).
     resume_every_n_epochs: int = 0
+    #: Whether a ``fit`` writes a resume checkpoint at the step where a worker got SIGTERM.
+    resume_on_preemption: bool = False
     #: Where rank 0 writes them: this launch's own folder of ``checkpoint_storage`` (runs that
     #: share the storage, Tune trials, never overwrite each other's), or None: to the driver.
     resume_storage: str | None = None
@@ -289,7 +291,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
             ours.append(_callback_class(flavour, EventForwarderBase)())
         if payload.report_progress:
             ours.append(_callback_class(flavour, ProgressReporterBase)())
-        if fitting and payload.resume_every_n_epochs:
+        if fitting and (payload.resume_every_n_epochs or payload.resume_on_preemption):
             resume_callback = _callback_class(flavour, ResumeCheckpointBase)
             ours.append(
                 resume_callback(
@@ -297,6 +299,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
                     payload.resume_storage,
                     keep_last=payload.resume_keep_last,
                     keep_folder=payload.resume_storage_kept,
+                    on_preemption=payload.resume_on_preemption,
                 )
             )
         if fitting and payload.resume is not None:

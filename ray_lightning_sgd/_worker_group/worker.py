@@ -32,6 +32,37 @@ SIGTERM_NOTICE = "sigterm"
 #: How long a worker that received SIGTERM during a call lives on, at most, for the driver to
 #: take the notice (a spot node's or a draining node's warning: the process is about to go).
 _SIGTERM_GRACE_S = 3.0
+#: How long a training worker that received SIGTERM trains on, at most, to the end of its step,
+#: for the run's checkpoint there (under the 30 s that Kubernetes and GCP's spot VMs allow).
+PREEMPTION_GRACE_S = 20.0
+
+
+class PreemptionNotice:
+    """Runs on each worker: whether this process received SIGTERM during a call, for the code
+    that acts on it before the process ends (a ``fit`` that checkpoints at its next step end,
+    which :meth:`watch` says; see :mod:`ray_lightning_sgd._worker.resume`)."""
+
+    def __init__(self) -> None:
+        self.received = threading.Event()
+        self._watchers = 0
+        self._lock = threading.Lock()
+
+    @property
+    def watched(self) -> bool:
+        """Whether a running ``fit`` acts on the notice at its next step end."""
+        return self._watchers > 0
+
+    def watch(self) -> None:
+        with self._lock:
+            self._watchers += 1
+
+    def unwatch(self) -> None:
+        with self._lock:
+            self._watchers = max(0, self._watchers - 1)
+
+
+#: This process's notice (a worker process runs one call at a time).
+preemption = PreemptionNotice()
 
 
 class _Worker:
@@ -44,11 +75,15 @@ class _Worker:
     A SIGTERM that reaches the worker while it runs a function is a preemption notice: the
     worker tells the driver (:data:`SIGTERM_NOTICE`), which counts the loss of this worker as a
     preemption, then ends (the signal's default action) once the driver has the notice, within
-    a few seconds; an idle worker ends at once, as Ray's own handler ends it.
+    a few seconds; a ``fit`` that acts on the notice (:data:`preemption`) trains on, once the
+    driver has the notice, to the step boundary where the ranks exchange notices, rank 0 writes
+    a resume checkpoint and the call ends, within :data:`PREEMPTION_GRACE_S`. An idle worker
+    ends at once, as Ray's own handler ends it.
     """
 
     def __init__(self) -> None:
         self._running = False
+        self._call_ended = threading.Event()
         # an actor is created in its process's main thread, the only one that installs handlers
         if threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGTERM)
@@ -73,9 +108,15 @@ class _Worker:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
         outbox = get_outbox()
         sequence = outbox.put_latest(SIGTERM_NOTICE, os.getpid())
+        preemption.received.set()
+        # a fit that checkpoints at its next step end ends the call there
+        train_on_s = PREEMPTION_GRACE_S if preemption.watched else 0.0
 
         def end_once_delivered() -> None:
-            outbox.wait_delivered(SIGTERM_NOTICE, sequence, _SIGTERM_GRACE_S)
+            # a driver that takes no notice is gone (Ray ends its workers): nobody restarts
+            delivered = outbox.wait_delivered(SIGTERM_NOTICE, sequence, _SIGTERM_GRACE_S)
+            if delivered and train_on_s:
+                self._call_ended.wait(train_on_s)
             os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=end_once_delivered, daemon=True).start()
@@ -98,6 +139,7 @@ class _Worker:
         return get_outbox().take(acknowledged)
 
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self._call_ended.clear()
         self._running = True
         try:
             return fn(*args, **kwargs)
@@ -119,6 +161,7 @@ class _Worker:
             raise
         finally:
             self._running = False
+            self._call_ended.set()
 
 
 def _raised_inside_torch(err: BaseException) -> bool:
