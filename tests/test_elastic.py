@@ -103,6 +103,7 @@ def test_growth_waits_for_room_then_for_the_next_resume_checkpoint(free_cluster)
     assert watch._room and watch._probe is None, "the probe found no room, or was left"
     watch.check(epoch_2)  # the checkpoint held when room appeared is not the boundary
     watch.check(ResumePoint(9, 90))  # the last epoch's checkpoint: nothing left to train
+    watch.check(ResumePoint(3, 27, batches=3))  # a preemption's, inside an epoch: not a boundary
     with pytest.raises(Regroup, match="after epoch 3"):
         watch.check(ResumePoint(3, 30))
     # the regroup found no more room (the next attempt has 1 worker again): look less often

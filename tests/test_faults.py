@@ -172,9 +172,15 @@ def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(ray_cluster, tm
     pl.seed_everything(0)
     model = Terminated(marker)
     # max_failures=0 and no resume checkpoints: a preemption restarts (no limit) from the
-    # checkpoint rank 0 writes where the notice arrived
+    # checkpoint rank 0 writes where the notice arrived; validation every 3 batches
+    logger = CSVLogger(tmp_path / "logs")
+    pl.seed_everything(0)
+    got = _trainer(
+        RaySGDStrategy(num_workers=2), max_epochs=2, logger=logger, log_every_n_steps=1,
+        val_check_interval=3,
+    )  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
-        got = _fit(model, RaySGDStrategy(num_workers=2), max_epochs=2)
+        got.fit(model, loader(shuffle=True), loader(n=32))
     assert os.path.exists(marker), "no SIGTERM was sent"
     assert "Rank 1 (node " in caplog.text and "received SIGTERM" in caplog.text
     assert "Restart 1 (no limit) after a preemption" in caplog.text, caplog.text
@@ -187,6 +193,13 @@ def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(ray_cluster, tm
     batches, step = int(where[1]), int(where[2])
     assert 8 < step <= 11 and batches == step - 6, where[0]
     assert got.global_step == 12
+    # one log: every step's row once (Lightning's counts go on from the checkpoint's), each
+    # validation once (one that ran before the checkpoint is not run again)
+    with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [int(row["step"]) for row in rows if row["train_loss"]] == list(range(12))
+    validated = [int(row["step"]) for row in rows if row["val_loss"]]
+    assert len(validated) == 4 and validated == sorted(set(validated)), validated
     diff = max(
         (model.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items()
     )
@@ -215,10 +228,16 @@ def test_an_epoch_resumed_inside_deals_the_samples_it_had_not_trained(trained_on
     rest: list[int] = []
     for rank in range(resumed_on):
         dataloader = loader_of(rank, resumed_on)  # its sampler at epoch 0, as Lightning has it
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+        trainer.fit_loop.epoch_progress.current.completed = epoch  # as restored
+        counts = trainer.fit_loop.epoch_loop.batch_progress.current
+        counts.ready = counts.started = counts.processed = counts.completed = batches
         callback = ResumeCheckpointBase(0, None)
-        callback.load_state_dict({"batches": batches, "world_size": trained_on})
-        callback.resume_inside_epoch(dataloader, epoch, resumed_on)
+        callback.load_state_dict({"batches": batches, "replicas": trained_on})
+        callback.resume_inside_epoch(dataloader, trainer)
         rest += samples(dataloader)
+        # Lightning counts the epoch's batches from where this rank's data resumes
+        assert counts.completed == (batches * trained_on) // resumed_on
         assert len(samples(dataloader)) == 96 // resumed_on, "the next epoch is not whole"
     untrained = set(range(96)) - trained
     if (batches * trained_on) % resumed_on == 0:

@@ -99,8 +99,8 @@ class GrowthWatch:
             self._room = self._probed()
             self._room_at = resume
             return
-        if resume is None or resume is self._room_at:
-            return
+        if resume is None or resume is self._room_at or resume.batches is not None:
+            return  # a regroup waits for an epoch's end (an in-epoch point is a preemption's)
         if self._max_epochs is not None and resume.epoch + 1 >= self._max_epochs:
             return  # the run has no epoch left to train
         self._regrouped_from = self._size

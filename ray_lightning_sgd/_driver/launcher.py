@@ -241,6 +241,9 @@ class RayLauncherBase(_Base):
                 run_on_worker, packed, imports, watch=watch, watch_interval_s=interval
             )
         except WorkerDiedError as err:
+            if not err.node_id and 0 <= err.rank < len(executor.worker_group):
+                # raised by a rank on behalf of another (a preemption notice it learned of)
+                err.node_id = executor.worker_group.metadata[err.rank].node_id
             if inbox is not None and err.rank in inbox.sigterm_ranks and not err.preempted:
                 # a worker warned of its end by SIGTERM (a spot node, a drain) is preempted
                 err.preempted = True

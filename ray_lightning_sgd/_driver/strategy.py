@@ -474,9 +474,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         if trainer is not None and trainer.training:
             for callback in trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(callback, ResumeCheckpointBase):
-                    callback.resume_inside_epoch(
-                        dataloader, trainer.current_epoch, trainer.world_size
-                    )
+                    callback.resume_inside_epoch(dataloader, trainer)
         return dataloader
 
 

@@ -105,12 +105,12 @@ class ResumeCheckpointBase:
         self._on_preemption = on_preemption
         self._watching = False
         self._notices = _Notices()
-        #: While an in-epoch checkpoint is saved: the batches its epoch trained (goes into it).
-        self._saving_batches: int | None = None
-        self._saving_world_size = 0
-        #: After loading an in-epoch checkpoint: the batches each rank trained of the restarted
-        #: epoch, and the world size then.
+        #: While an in-epoch checkpoint is saved: the batches its epoch trained and the number
+        #: of ranks that shared its data (both go into it).
+        self._saving: tuple[int, int] | None = None
+        #: After loading an in-epoch checkpoint: the same two, for the restarted epoch.
         self._skip: tuple[int, int] = (0, 0)
+        self._skip_counted = False  # whether Lightning's batch counts were set to the skip
         self._quiet: Any = None  # the warnings filter set for the restarted epoch's start
 
     @property
@@ -118,49 +118,76 @@ class ResumeCheckpointBase:
         return "ray_lightning_sgd.resume"  # the same in every attempt and flavour
 
     def state_dict(self) -> dict[str, Any]:
-        if self._saving_batches is None:
+        if self._saving is None:
             return {}
-        return {"batches": self._saving_batches, "world_size": self._saving_world_size}
+        return {"batches": self._saving[0], "replicas": self._saving[1]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._skip = (int(state_dict.get("batches", 0)), int(state_dict.get("world_size", 0)))
+        self._skip = (int(state_dict.get("batches", 0)), int(state_dict.get("replicas", 0)))
 
-    def resume_inside_epoch(self, dataloader: Any, epoch: int, world_size: int) -> None:
-        """Called with the train DataLoader of a fit (once it is ready, before its first
-        iteration): after a restart from an in-epoch checkpoint, its first epoch skips the
-        batches that epoch had trained.
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._saving is None:
+            return
+        # Saved at a batch's start, after the previous batch's every hook, validation and log
+        # row; Lightning's restart knows a save at a batch's end (ModelCheckpoint's
+        # every_n_train_steps), and adds to its counts what such a save lacks: shown as one, the
+        # batch about to start is not counted as fetched, nor the last one as completed, and the
+        # logging step Lightning adds back is taken off.
+        loop = checkpoint["loops"]["fit_loop"]
+        progress = loop["epoch_loop.batch_progress"]
+        for counts in (progress["total"], progress["current"]):
+            counts["ready"] -= 1
+            counts["completed"] -= 1
+        progress["is_last_batch"] = False
+        loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
 
-        On another number of workers (an elastic run), each rank skips its share of the
-        samples the epoch had trained (a DistributedSampler deals one order to any number of
-        ranks), rounded down to whole batches: a few samples may be trained twice.
+    def resume_inside_epoch(self, dataloader: Any, trainer: pl.Trainer) -> None:
+        """Called with each train DataLoader of a fit (once ready, before its first iteration):
+        after a restart from an in-epoch checkpoint, its first epoch skips the batches that
+        epoch had trained.
+
+        On another number of ranks sharing the data (an elastic run), each rank skips its share
+        of the samples the epoch had trained (a DistributedSampler deals one order to any number
+        of ranks), rounded down to whole batches, and Lightning counts the epoch's batches from
+        there: less than a batch's samples a rank may be trained twice.
         """
-        (count, trained_on), self._skip = self._skip, (0, 0)
-        if trained_on and trained_on != world_size:
-            share, rest = divmod(count * trained_on, world_size)
-            log.info(
-                "The epoch trained %d batches a rank on %d workers; on %d, each skips %d%s",
-                count, trained_on, world_size, share,
-                f" (a {rest}/{world_size} batch's samples are trained again)" if rest else "",
-            )  # fmt: skip
-            count = share
+        count, trained_on = self._skip
         if count <= 0:
             return
-        if callable(getattr(dataloader, "state_dict", None)):
+        replicas = _replicas(dataloader, trainer.world_size)
+        if trained_on and trained_on != replicas:
+            share, rest = divmod(count * trained_on, replicas)
+            if not self._skip_counted:
+                log.info(
+                    "The epoch trained %d batches a rank on %d ranks; on %d, each skips %d%s",
+                    count, trained_on, replicas, share,
+                    f" (a {rest}/{replicas} batch's samples are trained again)" if rest else "",
+                )  # fmt: skip
+                _shift_batch_counts(trainer, share - count)
+            count = share
+        self._skip_counted = True
+        if count <= 0 or _is_stateful(dataloader):
             return  # Lightning restores a stateful DataLoader's position itself
-        if not skip_first_batches(dataloader, count, epoch):
+        if not skip_first_batches(dataloader, count, trainer.current_epoch):
             log.warning(
                 "The fit resumes after batch %d of an epoch, but its train dataloader (%s) "
-                "cannot skip batches: that epoch starts again from its first batch",
+                "cannot skip batches in the epoch's order (an iterable that is no DataLoader, "
+                "or a sampler without set_epoch): that epoch starts again from its first batch",
                 count,
                 type(dataloader).__name__,
             )
             return
-        # Lightning warns that a plain DataLoader resumes inexactly inside an epoch: not this one
-        warnings.filterwarnings("ignore", message=_INEXACT_RESUME_WARNING)
-        self._quiet = warnings.filters[0]
+        if self._quiet is None:
+            # Lightning warns that a plain DataLoader resumes inexactly inside an epoch: not here
+            warnings.filterwarnings("ignore", message=_INEXACT_RESUME_WARNING)
+            self._quiet = warnings.filters[0]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._on_preemption and not self._watching:
+        self._skip, self._skip_counted = (0, 0), False  # every train loader has taken its skip
+        # a stateful DataLoader's saved position would be one batch ahead of an in-epoch point
+        if self._on_preemption and not self._watching and not _has_stateful_loader(trainer):
             preemption.watch()
             self._watching = True
 
@@ -173,17 +200,21 @@ class ResumeCheckpointBase:
         self._stop_watching()
 
     def _stop_watching(self) -> None:
+        self._unquiet()
         if self._watching:
             preemption.unwatch()
             self._watching = False
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def _unquiet(self) -> None:
         if self._quiet is not None:  # Lightning's warning was due before the first batch
             with contextlib.suppress(ValueError):
                 cast("list[Any]", warnings.filters).remove(self._quiet)
             self._quiet = None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._unquiet()
         if not self._watching:
             return
         # a step boundary: the batches before it stepped the optimizers (nothing accumulated)
@@ -192,18 +223,21 @@ class ResumeCheckpointBase:
         ranks = self._notices.at_boundary(trainer)
         if not ranks:
             return
-        self._saving_batches, self._saving_world_size = batch_idx, trainer.world_size
+        self._saving = (batch_idx, _replicas(trainer.train_dataloader, trainer.world_size))
         try:
             point = self._save(trainer)
         finally:
-            self._saving_batches = None
+            self._saving = None
         trainer.strategy.barrier("ray_lightning_sgd.preemption")  # the driver holds the point
         context = current_context()
         raise WorkerDiedError(
             f"rank {', '.join(map(str, ranks))} received SIGTERM (a preemption notice): the "
             f"fit stopped {point.describe()} and restarts from its checkpoint there",
             rank=ranks[0],
-            node_id="" if context is None else context.metadata.node_id,
+            # the driver names the node of another rank
+            node_id=context.metadata.node_id
+            if context is not None and context.rank.global_rank == ranks[0]
+            else "",
             preempted=True,
         )
 
@@ -250,7 +284,8 @@ class ResumeCheckpointBase:
         point = ResumePoint(
             trainer.current_epoch, trainer.global_step, data=data, uri=uri,
             logger_versions=tuple(logger_versions(trainer)) if trainer.global_rank == 0 else (),
-            logged_step=logged_step(trainer), batches=self._saving_batches,
+            logged_step=logged_step(trainer),
+            batches=None if self._saving is None else self._saving[0],
         )  # fmt: skip
         if trainer.global_rank == 0:
             # the checkpoint is safe in the driver before training goes on
@@ -309,6 +344,45 @@ class _Notices:
         return [r for r in range(world) if flags[r]]
 
 
+def _is_stateful(dataloader: Any) -> bool:
+    """Whether Lightning saves and restores the iterable's position (as its ``_Stateful``)."""
+    return callable(getattr(dataloader, "state_dict", None)) and callable(
+        getattr(dataloader, "load_state_dict", None)
+    )
+
+
+def _has_stateful_loader(trainer: pl.Trainer) -> bool:
+    from torch.utils.data import DataLoader
+
+    loaders = trainer.train_dataloader
+    if isinstance(loaders, DataLoader) or loaders is None:
+        loaders = [loaders]
+    elif isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    return any(_is_stateful(loader) for loader in loaders)
+
+
+def _replicas(dataloader: Any, default: int) -> int:
+    """How many ranks share the loader's data (its DistributedSampler's replicas: with tensor
+    parallelism fewer than the world size)."""
+    for sampler in (
+        getattr(dataloader, "sampler", None),
+        getattr(getattr(dataloader, "batch_sampler", None), "sampler", None),
+    ):
+        replicas = getattr(sampler, "num_replicas", None)
+        if isinstance(replicas, int) and replicas > 0:
+            return replicas
+    return default
+
+
+def _shift_batch_counts(trainer: pl.Trainer, delta: int) -> None:
+    """Moves the restored epoch's batch counts (not yet reset by the loop) by ``delta``."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for counts in (progress.total, progress.current):
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(counts, name, getattr(counts, name) + delta)
+
+
 def skip_first_batches(dataloader: Any, count: int, epoch: int) -> bool:
     """Runs on each worker. Makes the next iteration of a DataLoader the rest of ``epoch``: its
     sampler set to that epoch, the first ``count`` batches loaded and dropped (later iterations
@@ -319,10 +393,15 @@ def skip_first_batches(dataloader: Any, count: int, epoch: int) -> bool:
     The epoch is set here because Lightning makes the resumed epoch's iterator before it sets
     the samplers' epoch: a shuffling DistributedSampler would deal the first epoch's order.
     """
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, SequentialSampler
 
-    if not isinstance(dataloader, DataLoader) or callable(getattr(dataloader, "state_dict", None)):
+    if not isinstance(dataloader, DataLoader) or _is_stateful(dataloader):
         return False
+    sampler = getattr(dataloader.batch_sampler, "sampler", dataloader.sampler)
+    if not (
+        callable(getattr(sampler, "set_epoch", None)) or isinstance(sampler, SequentialSampler)
+    ):
+        return False  # another order each time (a RandomSampler): no position to skip to
     loader_class = type(dataloader)
 
     def __iter__(self: Any) -> Any:  # replaces the class's own

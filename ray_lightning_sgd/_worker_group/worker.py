@@ -35,6 +35,11 @@ _SIGTERM_GRACE_S = 3.0
 #: How long a training worker that received SIGTERM trains on, at most, to the end of its step,
 #: for the run's checkpoint there (under the 30 s that Kubernetes and GCP's spot VMs allow).
 PREEMPTION_GRACE_S = 20.0
+#: The outbox channel that tells the driver a call this worker finished after a SIGTERM ended
+#: well; the worker ends once the driver acknowledges it (its reply is then on its way).
+CALL_ENDED = "call_ended"
+#: How long such a worker waits for that, at most.
+_REPLY_WAIT_S = 5.0
 
 
 class PreemptionNotice:
@@ -84,6 +89,7 @@ class _Worker:
     def __init__(self) -> None:
         self._running = False
         self._call_ended = threading.Event()
+        self._call_ok = False
         # an actor is created in its process's main thread, the only one that installs handlers
         if threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGTERM)
@@ -115,8 +121,11 @@ class _Worker:
         def end_once_delivered() -> None:
             # a driver that takes no notice is gone (Ray ends its workers): nobody restarts
             delivered = outbox.wait_delivered(SIGTERM_NOTICE, sequence, _SIGTERM_GRACE_S)
-            if delivered and train_on_s:
-                self._call_ended.wait(train_on_s)
+            if delivered and train_on_s and self._call_ended.wait(train_on_s) and self._call_ok:
+                # the call ended well after the notice (the fit finished before the ranks
+                # exchanged it): its reply goes to the driver before the process ends
+                ended = outbox.put_latest(CALL_ENDED, True)
+                outbox.wait_delivered(CALL_ENDED, ended, _REPLY_WAIT_S)
             os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=end_once_delivered, daemon=True).start()
@@ -140,9 +149,12 @@ class _Worker:
 
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         self._call_ended.clear()
+        self._call_ok = False
         self._running = True
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            self._call_ok = True
+            return result
         except BaseException as err:
             # the driver re-raises this very exception; say where it came from
             where = f"pid {os.getpid()} on {ray.util.get_node_ip_address()}"
