@@ -172,12 +172,12 @@ def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(ray_cluster, tm
     pl.seed_everything(0)
     model = Terminated(marker)
     # max_failures=0 and no resume checkpoints: a preemption restarts (no limit) from the
-    # checkpoint rank 0 writes where the notice arrived; validation every 3 batches
+    # checkpoint rank 0 writes where the notice arrived; validation after every batch
     logger = CSVLogger(tmp_path / "logs")
     pl.seed_everything(0)
     got = _trainer(
         RaySGDStrategy(num_workers=2), max_epochs=2, logger=logger, log_every_n_steps=1,
-        val_check_interval=3,
+        val_check_interval=1,
     )  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
         got.fit(model, loader(shuffle=True), loader(n=32))
@@ -193,25 +193,29 @@ def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(ray_cluster, tm
     batches, step = int(where[1]), int(where[2])
     assert 8 < step <= 11 and batches == step - 6, where[0]
     assert got.global_step == 12
-    # one log: every step's row once (Lightning's counts go on from the checkpoint's), each
-    # validation once (one that ran before the checkpoint is not run again)
+    # one log: every step's row once (Lightning's counts go on from the checkpoint's), and a
+    # validation after every batch, once (the one before the checkpoint is not run again)
     with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
     assert [int(row["step"]) for row in rows if row["train_loss"]] == list(range(12))
     validated = [int(row["step"]) for row in rows if row["val_loss"]]
-    assert len(validated) == 4 and validated == sorted(set(validated)), validated
+    assert len(validated) == 12 and validated == sorted(set(validated)), validated
     diff = max(
         (model.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items()
     )
     assert diff <= 1e-6, f"the restarted run's weights differ by {diff}"
 
 
-@pytest.mark.parametrize(("trained_on", "resumed_on"), [(2, 2), (2, 1), (4, 2), (2, 3)])
-def test_an_epoch_resumed_inside_deals_the_samples_it_had_not_trained(trained_on, resumed_on):
+@pytest.mark.parametrize(
+    ("trained_on", "resumed_on", "batches"), [(2, 2, 2), (2, 2, 0), (2, 1, 2), (4, 2, 2), (2, 3, 2)]
+)
+def test_an_epoch_resumed_inside_deals_the_samples_it_had_not_trained(
+    trained_on, resumed_on, batches
+):
     """What a restart from a preemption's checkpoint feeds each rank: the rest of the epoch's
-    order (the shuffling sampler set to that epoch, which Lightning sets only later), on the
-    same or another number of workers; later epochs whole."""
-    dataset, epoch, batches, batch_size = TensorDataset(torch.arange(96)), 3, 2, 4
+    order (the shuffling sampler set to that epoch, which Lightning sets only later: also when
+    nothing is skipped), on the same or another number of workers; later epochs whole."""
+    dataset, epoch, batch_size = TensorDataset(torch.arange(96)), 3, 4
 
     def loader_of(rank: int, world: int) -> DataLoader:
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=5)
@@ -235,9 +239,15 @@ def test_an_epoch_resumed_inside_deals_the_samples_it_had_not_trained(trained_on
         callback = ResumeCheckpointBase(0, None)
         callback.load_state_dict({"batches": batches, "replicas": trained_on})
         callback.resume_inside_epoch(dataloader, trainer)
-        rest += samples(dataloader)
-        # Lightning counts the epoch's batches from where this rank's data resumes
-        assert counts.completed == (batches * trained_on) // resumed_on
+        got = samples(dataloader)
+        rest += got
+        # this rank's share of the epoch's order, from where its data resumes; Lightning
+        # counts the epoch's batches from there
+        share = (batches * trained_on) // resumed_on
+        ordered = loader_of(rank, resumed_on)
+        ordered.sampler.set_epoch(epoch)
+        assert got == samples(ordered)[share * batch_size :]
+        assert counts.completed == share
         assert len(samples(dataloader)) == 96 // resumed_on, "the next epoch is not whole"
     untrained = set(range(96)) - trained
     if (batches * trained_on) % resumed_on == 0:
@@ -245,6 +255,32 @@ def test_an_epoch_resumed_inside_deals_the_samples_it_had_not_trained(trained_on
     else:  # rounded down to whole batches: less than a batch a rank is trained twice
         assert set(rest) >= untrained
         assert 0 < len(rest) - len(untrained) < resumed_on * batch_size
+
+
+def test_no_in_epoch_checkpoint_where_steps_would_not_resume_as_they_went_on():
+    """A stateful DataLoader (its saved position is a batch ahead of a batch's start) and a
+    GradientAccumulationScheduler (set at an epoch's start, which a resumed epoch skips)."""
+    from pytorch_lightning.callbacks import GradientAccumulationScheduler
+    from pytorch_lightning.utilities import CombinedLoader
+
+    from ray_lightning_sgd._worker.resume import _steps_resume_inside
+
+    class Stateful(DataLoader):
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    def trainer_with(dataloader, **kwargs):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, **kwargs)
+        trainer.fit_loop._combined_loader = CombinedLoader(dataloader)
+        return trainer
+
+    assert _steps_resume_inside(trainer_with(loader()))
+    assert not _steps_resume_inside(trainer_with(Stateful(TensorDataset(torch.arange(8)))))
+    scheduler = GradientAccumulationScheduler({0: 2})
+    assert not _steps_resume_inside(trainer_with(loader(), callbacks=[scheduler]))
 
 
 def test_restarts_stop_after_max_failures(ray_cluster, tmp_path):

@@ -271,7 +271,9 @@ class RayLauncherBase(_Base):
                 inbox.abandon()  # a lost or failed attempt: what its survivors left, no calls
         finally:  # a second Ctrl-C during the above still stops the workers
             if executor is not None:
-                keep = succeeded and self._strategy.reuse_workers
+                # a worker that received SIGTERM is about to end: not one to keep warm
+                doomed = inbox is not None and bool(inbox.sigterm_ranks)
+                keep = succeeded and self._strategy.reuse_workers and not doomed
                 pool.release(executor, keep=keep, graceful=succeeded)
 
     def _start_executor(self) -> BackendExecutor:

@@ -41,6 +41,7 @@ from ray_lightning_sgd._worker.hardware import (
 from ray_lightning_sgd._worker.output import OutputForwarder
 from ray_lightning_sgd._worker.progress import ProgressReporterBase
 from ray_lightning_sgd._worker.resume import (
+    BatchStartBase,
     ResumeCheckpointBase,
     ResumePoint,
     logger_versions,
@@ -266,6 +267,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     recorder = None
     args, kwargs = payload.args, payload.kwargs
     ours: list[Any] = []
+    first: list[Any] = []  # of ours, those that run before the Trainer's own callbacks
     resume_file = None
     tuner_exits: tuple[type[BaseException], ...] = ()
     if trainer is not None:
@@ -292,16 +294,16 @@ def _run_payload(payload: Payload) -> WorkerOutput:
         if payload.report_progress:
             ours.append(_callback_class(flavour, ProgressReporterBase)())
         if fitting and (payload.resume_every_n_epochs or payload.resume_on_preemption):
-            resume_callback = _callback_class(flavour, ResumeCheckpointBase)
-            ours.append(
-                resume_callback(
-                    payload.resume_every_n_epochs,
-                    payload.resume_storage,
-                    keep_last=payload.resume_keep_last,
-                    keep_folder=payload.resume_storage_kept,
-                    on_preemption=payload.resume_on_preemption,
-                )
+            resume_callback = _callback_class(flavour, ResumeCheckpointBase)(
+                payload.resume_every_n_epochs,
+                payload.resume_storage,
+                keep_last=payload.resume_keep_last,
+                keep_folder=payload.resume_storage_kept,
+                on_preemption=payload.resume_on_preemption,
             )
+            ours.append(resume_callback)  # last: an epoch's checkpoint holds the others' work
+            # first: a fit stopped at a batch's start stops before the others' hooks for it
+            first.append(_callback_class(flavour, BatchStartBase)(resume_callback))
         if fitting and payload.resume is not None:
             resume_file = materialise(payload.resume)
             if global_rank == 0:  # the only rank whose loggers write: one folder a run
@@ -311,6 +313,8 @@ def _run_payload(payload: Payload) -> WorkerOutput:
                     _compat.continue_logger(logger, version, payload.resume.logged_step)
             args, kwargs = _compat.with_ckpt_path(payload.function, args, kwargs, resume_file)
         callbacks_of(trainer).extend(ours)
+        callbacks_of(trainer)[:0] = first
+        ours += first
     output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if trainer is not None:  # a Trainer's call: its output to the driver
         output = OutputForwarder()

@@ -109,7 +109,7 @@ class ResumeCheckpointBase:
         #: of ranks that shared its data (both go into it).
         self._saving: tuple[int, int] | None = None
         #: After loading an in-epoch checkpoint: the same two, for the restarted epoch.
-        self._skip: tuple[int, int] = (0, 0)
+        self._skip: tuple[int, int] | None = None
         self._skip_counted = False  # whether Lightning's batch counts were set to the skip
         self._quiet: Any = None  # the warnings filter set for the restarted epoch's start
 
@@ -123,7 +123,8 @@ class ResumeCheckpointBase:
         return {"batches": self._saving[0], "replicas": self._saving[1]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._skip = (int(state_dict.get("batches", 0)), int(state_dict.get("replicas", 0)))
+        if "batches" in state_dict:  # an in-epoch point's (the others save nothing)
+            self._skip = (int(state_dict["batches"]), int(state_dict.get("replicas", 0)))
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -153,28 +154,35 @@ class ResumeCheckpointBase:
         of ranks), rounded down to whole batches, and Lightning counts the epoch's batches from
         there: less than a batch's samples a rank may be trained twice.
         """
-        count, trained_on = self._skip
-        if count <= 0:
+        if self._skip is None:
             return
-        replicas = _replicas(dataloader, trainer.world_size)
+        count, trained_on = self._skip
+        replicas = _replicas(dataloader)
         if trained_on and trained_on != replicas:
             share, rest = divmod(count * trained_on, replicas)
+            if getattr(trainer.lightning_module, "automatic_optimization", True):
+                # the restart starts a step: a whole accumulation window
+                rest += (share % trainer.accumulate_grad_batches) * replicas
+                share -= share % trainer.accumulate_grad_batches
             if not self._skip_counted:
-                log.info(
+                log.warning(
                     "The epoch trained %d batches a rank on %d ranks; on %d, each skips %d%s",
                     count, trained_on, replicas, share,
-                    f" (a {rest}/{replicas} batch's samples are trained again)" if rest else "",
+                    f" (a few samples are trained again: {rest} batch-shares)" if rest else "",
                 )  # fmt: skip
                 _shift_batch_counts(trainer, share - count)
             count = share
         self._skip_counted = True
-        if count <= 0 or _is_stateful(dataloader):
+        if _is_stateful(dataloader):
             return  # Lightning restores a stateful DataLoader's position itself
-        if not skip_first_batches(dataloader, count, trainer.current_epoch):
+        # the epoch is set also when nothing is skipped: Lightning deals the resumed epoch's
+        # first batches before it sets the sampler's epoch
+        epoch = trainer.current_epoch  # the interrupted one (its processed count)
+        if not skip_first_batches(dataloader, count, epoch):
             log.warning(
                 "The fit resumes after batch %d of an epoch, but its train dataloader (%s) "
-                "cannot skip batches in the epoch's order (an iterable that is no DataLoader, "
-                "or a sampler without set_epoch): that epoch starts again from its first batch",
+                "cannot deal that epoch's order again (an iterable that is no DataLoader, or a "
+                "sampler without set_epoch): the rest of the epoch comes from a new order",
                 count,
                 type(dataloader).__name__,
             )
@@ -185,9 +193,9 @@ class ResumeCheckpointBase:
             self._quiet = warnings.filters[0]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._skip, self._skip_counted = (0, 0), False  # every train loader has taken its skip
+        self._skip, self._skip_counted = None, False  # every train loader has taken its skip
         # a stateful DataLoader's saved position would be one batch ahead of an in-epoch point
-        if self._on_preemption and not self._watching and not _has_stateful_loader(trainer):
+        if self._on_preemption and not self._watching and _steps_resume_inside(trainer):
             preemption.watch()
             self._watching = True
 
@@ -211,9 +219,11 @@ class ResumeCheckpointBase:
                 cast("list[Any]", warnings.filters).remove(self._quiet)
             self._quiet = None
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    def at_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int
     ) -> None:
+        """Called first at each batch's start (by :class:`BatchStartBase`, before any other
+        callback's hook for the batch): stops the fit there if a rank received SIGTERM."""
         self._unquiet()
         if not self._watching:
             return
@@ -223,7 +233,7 @@ class ResumeCheckpointBase:
         ranks = self._notices.at_boundary(trainer)
         if not ranks:
             return
-        self._saving = (batch_idx, _replicas(trainer.train_dataloader, trainer.world_size))
+        self._saving = (batch_idx, _replicas(_train_loaders(trainer)[0]))
         try:
             point = self._save(trainer)
         finally:
@@ -301,6 +311,21 @@ class ResumeCheckpointBase:
         return point
 
 
+class BatchStartBase:
+    """Runs on each worker. A callback placed first, so that a fit stopped for a preemption at a
+    batch's start stops before any other callback's ``on_train_batch_start`` for that batch (it
+    runs again after the restart); the rest lives in :class:`ResumeCheckpointBase`."""
+
+    def __init__(self, resume: ResumeCheckpointBase) -> None:
+        super().__init__()
+        self._resume = resume
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._resume.at_batch_start(trainer, pl_module, batch_idx)
+
+
 class _Notices:
     """Every rank: which ranks received SIGTERM, exchanged at step boundaries by one all-reduce
     of a flag per rank, about every :data:`_EXCHANGE_EVERY_S` (so at most that, and a step,
@@ -351,28 +376,35 @@ def _is_stateful(dataloader: Any) -> bool:
     )
 
 
-def _has_stateful_loader(trainer: pl.Trainer) -> bool:
-    from torch.utils.data import DataLoader
-
-    loaders = trainer.train_dataloader
-    if isinstance(loaders, DataLoader) or loaders is None:
-        loaders = [loaders]
-    elif isinstance(loaders, dict):
-        loaders = list(loaders.values())
-    return any(_is_stateful(loader) for loader in loaders)
+def _train_loaders(trainer: pl.Trainer) -> list[Any]:
+    """The fit's train iterables, each as Lightning iterates it (never iterated here)."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else [None]
 
 
-def _replicas(dataloader: Any, default: int) -> int:
-    """How many ranks share the loader's data (its DistributedSampler's replicas: with tensor
-    parallelism fewer than the world size)."""
-    for sampler in (
-        getattr(dataloader, "sampler", None),
-        getattr(getattr(dataloader, "batch_sampler", None), "sampler", None),
-    ):
+def _steps_resume_inside(trainer: pl.Trainer) -> bool:
+    """Whether a fit's steps resume inside an epoch as they would have gone on: not with a
+    stateful DataLoader (its saved position is a batch ahead of a batch's start) nor with a
+    GradientAccumulationScheduler (it sets the accumulation at an epoch's start, which a
+    resumed epoch does not run again)."""
+    if any(_is_stateful(loader) for loader in _train_loaders(trainer)):
+        return False
+    scheduler = "GradientAccumulationScheduler"
+    return not any(
+        scheduler in (k.__name__ for k in type(c).__mro__)
+        for c in trainer.callbacks  # type: ignore[attr-defined]
+    )
+
+
+def _replicas(dataloader: Any) -> int:
+    """How many ranks share the loader's data: its DistributedSampler's replicas (with tensor
+    parallelism fewer than the world size), else 1 (each rank reads it all)."""
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
         replicas = getattr(sampler, "num_replicas", None)
         if isinstance(replicas, int) and replicas > 0:
             return replicas
-    return default
+    return 1
 
 
 def _shift_batch_counts(trainer: pl.Trainer, delta: int) -> None:
@@ -397,16 +429,16 @@ def skip_first_batches(dataloader: Any, count: int, epoch: int) -> bool:
 
     if not isinstance(dataloader, DataLoader) or _is_stateful(dataloader):
         return False
-    sampler = getattr(dataloader.batch_sampler, "sampler", dataloader.sampler)
-    if not (
-        callable(getattr(sampler, "set_epoch", None)) or isinstance(sampler, SequentialSampler)
-    ):
+    batch_sampler = dataloader.batch_sampler
+    # what deals the order: the batch sampler's sampler, or a batch sampler of its own making
+    dealer = getattr(batch_sampler, "sampler", batch_sampler or dataloader.sampler)
+    if not (callable(getattr(dealer, "set_epoch", None)) or isinstance(dealer, SequentialSampler)):
         return False  # another order each time (a RandomSampler): no position to skip to
     loader_class = type(dataloader)
 
     def __iter__(self: Any) -> Any:  # replaces the class's own
         self.__class__ = loader_class  # once: the epochs after this one are whole
-        for sampler in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+        for sampler in {id(s): s for s in (self.sampler, batch_sampler, dealer)}.values():
             set_epoch = getattr(sampler, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)
