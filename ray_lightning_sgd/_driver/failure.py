@@ -23,8 +23,10 @@ class FailureConfig:
         max_failures: How often to restart the whole group after a worker died (0: never, -1: no
             limit). ``fit`` resumes from the run's latest resume checkpoint.
         max_preemptions: How often to restart after Ray reported a worker's node preempted
-            (drained for preemption: a spot node, an autoscaler's drain); these do not count
-            against ``max_failures``. -1 (default): no limit; 0: never.
+            (drained for preemption: a spot node, an autoscaler's drain) or a training worker
+            received SIGTERM (``fit`` then resumes at the step boundary where rank 0
+            checkpointed); these do not count against ``max_failures``. -1 (default): no limit;
+            0: never (and no checkpoint at a SIGTERM).
         progress_timeout_s: Raise ``WorkerTimeoutError`` when a rank reports no progress (a batch,
             a stage) for this long; None: never.
         checkpoint_every_n_epochs: How often the resume checkpoint is written when restarts are on.

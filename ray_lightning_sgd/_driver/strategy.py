@@ -105,10 +105,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             ``fit`` resumes from the latest resume checkpoint, which the strategy writes every
             ``checkpoint_every_n_epochs`` epochs when restarts are on.
         max_preemptions: Restart this many times after Ray reported a worker's node preempted
-            (drained for preemption: a spot node, an autoscaler's drain), without counting
-            against ``max_failures``; -1 (default): no limit, 0: never. Like any restart, ``fit``
-            resumes from the latest resume checkpoint if one is written (``max_failures``,
-            ``run_name`` or an elastic ``num_workers``), else starts over.
+            (drained for preemption: a spot node, an autoscaler's drain) or a training worker
+            received SIGTERM, without counting against ``max_failures``; -1 (default): no limit,
+            0: never. A SIGTERM makes rank 0 write a resume checkpoint at a step boundary (the
+            ranks exchange notices about every 0.5 s), and ``fit`` resumes there; other
+            restarts resume from the latest resume checkpoint if one is written
+            (``max_failures``, ``run_name`` or an elastic ``num_workers``), else start over.
         progress_timeout_s: Raise ``WorkerTimeoutError`` naming the rank when a rank makes no
             progress (no batch, no stage) for this long: a deadlock or an endless loop.
         checkpoint_every_n_epochs: Epochs between resume checkpoints.
