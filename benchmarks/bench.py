@@ -49,8 +49,8 @@ MODES = (
     "ddp_bar",
     "ray_sgd_bar",
 )
-#: Modes run only when asked for: warm workers without the preemption check at each step start
-#: (``max_preemptions=0``), to show what that check costs.
+#: Modes run only when asked for: warm workers without the SIGTERM notice exchange
+#: (``max_preemptions=0``), to show what that exchange costs.
 EXTRA_MODES = ("ray_sgd_no_preemption",)
 #: Modes that run another with Lightning's TQDM progress bar on (on the driver for ray_sgd).
 WITH_BAR = {"ddp_bar": "ddp", "ray_sgd_bar": "ray_sgd_warm"}
@@ -203,7 +203,7 @@ def run_mode(mode: str, out: str) -> None:
             from ray_lightning_sgd import RaySGDStrategy
 
             ray_init = _init_ray()
-            # max_preemptions=0: no resume checkpoint at a SIGTERM, so no check at each step
+            # max_preemptions=0: no resume checkpoint at a SIGTERM, so no notice exchange
             options = {"max_preemptions": 0} if mode == "ray_sgd_no_preemption" else {}
             strategy: object = RaySGDStrategy(num_workers=WORKERS, use_gpu=GPU, **options)
             if mode != "ray_sgd_cold":  # a first call starts the workers; the timed one reuses them

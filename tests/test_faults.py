@@ -159,7 +159,7 @@ class Terminated(TinyModel):
         if self.global_rank == 1 and self.global_step == 8 and not os.path.exists(self.marker):
             Path(self.marker).write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGTERM)
-        # steps of 0.25 s: the ranks exchange notices about every 0.5 s, here every 2 steps
+        # steps of 0.25 s: the ranks exchange notices about every 0.5 s, here every step or two
         time.sleep(0.25)
         return super().training_step(batch, batch_idx)
 
@@ -185,7 +185,7 @@ def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(ray_cluster, tm
     assert "Rank 1 (node " in caplog.text and "received SIGTERM" in caplog.text
     assert "Restart 1 (no limit) after a preemption" in caplog.text, caplog.text
     # 6 steps an epoch; the notice came in step 8: the ranks learn of it at the next exchange
-    # (every 2 steps here) after the handler ran (in the worker's main thread)
+    # (every step or two here) after the handler ran (in the worker's main thread)
     where = re.search(
         r"fit resumes in epoch 1 after (\d+) batches \(global step (\d+)\)", caplog.text
     )

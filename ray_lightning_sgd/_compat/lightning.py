@@ -84,6 +84,14 @@ def continue_logger(logger: Any, version: Any, before_step: int) -> None:
     writer.metrics_keys = list(header)
 
 
+def has_callback(trainer: Any, class_name: str) -> bool:
+    """Whether the Trainer has a callback of that Lightning class (by name: either namespace)."""
+    return any(
+        class_name in (cls.__name__ for cls in type(callback).__mro__)
+        for callback in trainer.callbacks
+    )
+
+
 def logged_step(trainer: Any) -> int:
     """Runs on a worker. The step Lightning's loggers record rows at now (optimizer steps that
     were taken, counted once per batch: ``global_step`` counts each optimizer's step)."""

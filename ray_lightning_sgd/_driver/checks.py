@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray import cloudpickle
 
+from ray_lightning_sgd import _compat
 from ray_lightning_sgd._driver.settings import LaunchSettings
 from ray_lightning_sgd._serialization import Packed, pack
 from ray_lightning_sgd._worker.entry import Payload
@@ -59,11 +60,7 @@ def check_global_batch(trainer: pl.Trainer, model: Any, strategy: LaunchSettings
     if not strategy.keep_global_batch_size:
         return
     name = type(strategy).__name__
-    scheduler = next(
-        (cb for cb in trainer.callbacks if type(cb).__name__ == "GradientAccumulationScheduler"),  # type: ignore[attr-defined]
-        None,
-    )
-    if scheduler is not None:
+    if _compat.has_callback(trainer, "GradientAccumulationScheduler"):
         raise ConfigurationError(
             f"{name}(keep_global_batch_size=True) scales Trainer(accumulate_grad_batches=...), "
             "which a GradientAccumulationScheduler sets anew each epoch: remove one of them"

@@ -30,7 +30,7 @@ from ray_lightning_sgd._worker.resume import RESUME, ResumePoint
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
-from ray_lightning_sgd._worker_group.worker import CALL_ENDED, SIGTERM_NOTICE
+from ray_lightning_sgd._worker_group.worker import SIGTERM_NOTICE
 from ray_lightning_sgd.exceptions import WorkerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -173,10 +173,6 @@ class RunInbox:
             log.warning("Rank %d (%s) received SIGTERM", rank, _node_of(self._metadata, rank))
             # the worker ends as soon as the driver holds the notice
             self._acknowledged.setdefault(rank, {})[SIGTERM_NOTICE] = mail.sequences[SIGTERM_NOTICE]
-        if CALL_ENDED in mail.latest:
-            # a terminated worker's call ended well: it ends once the driver answers (its reply
-            # left when the call returned)
-            self._acknowledged.setdefault(rank, {})[CALL_ENDED] = mail.sequences[CALL_ENDED]
         if PROGRESS in mail.ages:
             self._progress_at[rank] = time.monotonic() - mail.ages[PROGRESS]
         if PROGRESS in mail.latest:

@@ -24,8 +24,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from ray_lightning_sgd._compat import logged_step
-from ray_lightning_sgd._worker_group.context import current_context
+from ray_lightning_sgd._compat import has_callback, logged_step
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 from ray_lightning_sgd._worker_group.worker import preemption
 from ray_lightning_sgd.exceptions import WorkerDiedError
@@ -196,8 +195,7 @@ class ResumeCheckpointBase:
         self._skip, self._skip_counted = None, False  # every train loader has taken its skip
         # a stateful DataLoader's saved position would be one batch ahead of an in-epoch point
         if self._on_preemption and not self._watching and _steps_resume_inside(trainer):
-            preemption.watch()
-            self._watching = True
+            preemption.watched = self._watching = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_watching()
@@ -210,8 +208,7 @@ class ResumeCheckpointBase:
     def _stop_watching(self) -> None:
         self._unquiet()
         if self._watching:
-            preemption.unwatch()
-            self._watching = False
+            preemption.watched = self._watching = False
 
     def _unquiet(self) -> None:
         if self._quiet is not None:  # Lightning's warning was due before the first batch
@@ -239,15 +236,11 @@ class ResumeCheckpointBase:
         finally:
             self._saving = None
         trainer.strategy.barrier("ray_lightning_sgd.preemption")  # the driver holds the point
-        context = current_context()
         raise WorkerDiedError(
             f"rank {', '.join(map(str, ranks))} received SIGTERM (a preemption notice): the "
             f"fit stopped {point.describe()} and restarts from its checkpoint there",
             rank=ranks[0],
-            # the driver names the node of another rank
-            node_id=context.metadata.node_id
-            if context is not None and context.rank.global_rank == ranks[0]
-            else "",
+            node_id="",  # the driver names that rank's node
             preempted=True,
         )
 
@@ -344,12 +337,12 @@ class _Notices:
     def at_boundary(self, trainer: pl.Trainer) -> list[int]:
         """Called at each step boundary, on every rank alike: the ranks that received SIGTERM,
         when this boundary exchanges them (else [])."""
-        import torch
-        import torch.distributed as dist
-
         self._boundaries += 1
         if self._boundaries < self._next:
             return []
+        import torch
+        import torch.distributed as dist
+
         mine = preemption.received.is_set()
         world, rank = trainer.world_size, trainer.global_rank
         if world == 1 or not (dist.is_available() and dist.is_initialized()):
@@ -389,11 +382,7 @@ def _steps_resume_inside(trainer: pl.Trainer) -> bool:
     resumed epoch does not run again)."""
     if any(_is_stateful(loader) for loader in _train_loaders(trainer)):
         return False
-    scheduler = "GradientAccumulationScheduler"
-    return not any(
-        scheduler in (k.__name__ for k in type(c).__mro__)
-        for c in trainer.callbacks  # type: ignore[attr-defined]
-    )
+    return not has_callback(trainer, "GradientAccumulationScheduler")
 
 
 def _replicas(dataloader: Any) -> int:
@@ -419,15 +408,14 @@ def skip_first_batches(dataloader: Any, count: int, epoch: int) -> bool:
     """Runs on each worker. Makes the next iteration of a DataLoader the rest of ``epoch``: its
     sampler set to that epoch, the first ``count`` batches loaded and dropped (later iterations
     are whole), for a fit that resumes inside an epoch; False where it cannot: an iterable that
-    is no DataLoader, or a DataLoader with a ``state_dict`` (Lightning restores its position
-    itself).
+    is no DataLoader, or an order that is new each time.
 
     The epoch is set here because Lightning makes the resumed epoch's iterator before it sets
     the samplers' epoch: a shuffling DistributedSampler would deal the first epoch's order.
     """
     from torch.utils.data import DataLoader, SequentialSampler
 
-    if not isinstance(dataloader, DataLoader) or _is_stateful(dataloader):
+    if not isinstance(dataloader, DataLoader):
         return False
     batch_sampler = dataloader.batch_sampler
     # what deals the order: the batch sampler's sampler, or a batch sampler of its own making

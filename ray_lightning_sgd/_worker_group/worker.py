@@ -7,6 +7,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,35 +36,20 @@ _SIGTERM_GRACE_S = 3.0
 #: How long a training worker that received SIGTERM trains on, at most, to the end of its step,
 #: for the run's checkpoint there (under the 30 s that Kubernetes and GCP's spot VMs allow).
 PREEMPTION_GRACE_S = 20.0
-#: The outbox channel that tells the driver a call this worker finished after a SIGTERM ended
-#: well; the worker ends once the driver acknowledges it (its reply is then on its way).
-CALL_ENDED = "call_ended"
-#: How long such a worker waits for that, at most.
+#: How long a worker whose call ended well after its SIGTERM lives on, at most, for its reply to
+#: reach the driver (which stops the group, never kept warm with such a worker, once it holds
+#: every reply).
 _REPLY_WAIT_S = 5.0
 
 
 class PreemptionNotice:
     """Runs on each worker: whether this process received SIGTERM during a call, for the code
-    that acts on it before the process ends (a ``fit`` that checkpoints at its next step end,
-    which :meth:`watch` says; see :mod:`ray_lightning_sgd._worker.resume`)."""
+    that acts on it before the process ends (see :mod:`ray_lightning_sgd._worker.resume`)."""
 
     def __init__(self) -> None:
         self.received = threading.Event()
-        self._watchers = 0
-        self._lock = threading.Lock()
-
-    @property
-    def watched(self) -> bool:
-        """Whether a running ``fit`` acts on the notice at its next step end."""
-        return self._watchers > 0
-
-    def watch(self) -> None:
-        with self._lock:
-            self._watchers += 1
-
-    def unwatch(self) -> None:
-        with self._lock:
-            self._watchers = max(0, self._watchers - 1)
+        #: Whether the running call (a ``fit``) acts on the notice at a step boundary.
+        self.watched = False
 
 
 #: This process's notice (a worker process runs one call at a time).
@@ -123,9 +109,8 @@ class _Worker:
             delivered = outbox.wait_delivered(SIGTERM_NOTICE, sequence, _SIGTERM_GRACE_S)
             if delivered and train_on_s and self._call_ended.wait(train_on_s) and self._call_ok:
                 # the call ended well after the notice (the fit finished before the ranks
-                # exchanged it): its reply goes to the driver before the process ends
-                ended = outbox.put_latest(CALL_ENDED, True)
-                outbox.wait_delivered(CALL_ENDED, ended, _REPLY_WAIT_S)
+                # exchanged it): its reply goes to the driver, which then stops this worker
+                time.sleep(_REPLY_WAIT_S)
             os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=end_once_delivered, daemon=True).start()

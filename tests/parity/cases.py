@@ -595,8 +595,8 @@ def case_predict_writer_and_dataloader_workers(run: Run) -> None:
     """DataLoader worker processes. Ours fork them, as users' code does; the ``ddp`` reference
     starts them from a forkserver (:mod:`tests.parity.reference` preloads torch in it): a forked
     worker of a ``ddp`` rank deadlocked at birth, in CPython 3.11.7's ``PyOS_AfterFork_Child``
-    (python/cpython#112275, fixed in later 3.11 releases), twice in CI and once in 34 runs here. The start
-    method changes no number: the workers' seeds come from the loader's RNG either way."""
+    (python/cpython#112275, fixed in later 3.11 releases), twice in CI and once in 34 runs here.
+    The start method changes no number: the workers' seeds come from the loader's RNG."""
     pl.seed_everything(11)
     model = Classifier()
     trainer = run.trainer(callbacks=[_Writer(write_interval="epoch")])
