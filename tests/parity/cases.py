@@ -588,6 +588,9 @@ class _Writer(BasePredictionWriter):
             {"predictions": predictions, "indices": indices},
             folder / f"rank_{trainer.global_rank}.pt",
         )
+        # every rank's file is written when predict returns: without it, ``ddp``'s driver (rank
+        # 0) listed the folder before rank 1 had written (seen with torch 2.15)
+        trainer.strategy.barrier("parity.predictions_written")
 
 
 @case
