@@ -47,8 +47,11 @@ def _boom(rank_to_fail: int):
         ({"resources_per_worker": {"CPU": -1}}, "got -1"),
         ({"resources_per_worker": {}}, "at least one resource"),
         ({"placement_strategy": "TIGHT"}, "placement_strategy must be one of"),
-        ({"startup_timeout_s": 0}, "startup_timeout_s must be > 0"),
-        ({"startup_timeout_s": float("inf")}, "startup_timeout_s must be > 0, got inf"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s must be a number of seconds > 0"),
+        (
+            {"startup_timeout_s": float("inf")},
+            "startup_timeout_s must be a number of seconds > 0 and at most 1e+09, got inf",
+        ),
         ({"resources_per_worker": {"GPU": 1e-6}}, "(at least 0.0001)"),
         ({"worker_env": {"A": 1}}, "worker_env must map str to str"),
     ],

@@ -9,7 +9,6 @@ and waits a bounded time.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ray_lightning_sgd._backend.base import Backend, BackendConfig
+from ray_lightning_sgd._worker_group.config import seconds_problem
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, WorkerRank
 from ray_lightning_sgd.exceptions import ConfigurationError
@@ -48,22 +48,21 @@ class TorchConfig(BackendConfig):
     timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
-        if self.backend is not None and self.backend not in BACKENDS:
+        if self.backend is not None and (
+            not isinstance(self.backend, str) or self.backend not in BACKENDS
+        ):
             raise ConfigurationError(
                 f"TorchConfig.backend must be one of {', '.join(BACKENDS)} or None (gloo on CPU, "
                 f"NCCL on GPU), got {self.backend!r}"
             )
-        if self.init_method not in INIT_METHODS:
+        if not isinstance(self.init_method, str) or self.init_method not in INIT_METHODS:
             raise ConfigurationError(
                 f"TorchConfig.init_method must be one of {', '.join(INIT_METHODS)}, "
                 f"got {self.init_method!r}"
             )
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
-            raise ConfigurationError(
-                f"TorchConfig.timeout_s must be a number > 0, got {self.timeout_s!r}"
-            )
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ConfigurationError(f"TorchConfig.timeout_s must be > 0, got {self.timeout_s}")
+        problem = seconds_problem(self.timeout_s)
+        if problem is not None:
+            raise ConfigurationError(f"TorchConfig.timeout_s {problem}")
 
     @property
     def backend_cls(self) -> type[Backend]:

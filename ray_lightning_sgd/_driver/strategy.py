@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import typing
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -190,13 +191,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             keep_last=keep_last,
             resize_interval_s=resize_interval_s,
         )
-        self._driver_callbacks = list(driver_callbacks or [])
-        for callback in self._driver_callbacks:
-            if not isinstance(callback, self.flavour.callback):
-                raise ConfigurationError(
-                    f"driver_callbacks takes {self.flavour.namespace} Callbacks, got "
-                    f"{callback!r}; subclass {self.flavour.namespace}.callbacks.Callback"
-                )
+        self._driver_callbacks = self._check_driver_callbacks(driver_callbacks)
         if not isinstance(reuse_workers, bool):
             raise ConfigurationError(f"reuse_workers must be True or False, got {reuse_workers!r}")
         backend_config = TorchConfig() if backend_config is None else backend_config
@@ -216,7 +211,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             sizes=sizes,
             resources_per_worker=_resources(num_cpus_per_worker, use_gpu, resources_per_worker),
             placement_strategy=placement_strategy,
-            worker_env=dict(worker_env or {}),
+            worker_env=_worker_env(worker_env),
             init_hook=init_hook,
             startup_timeout_s=startup_timeout_s,
             ship_driver_code=ship_driver_code,
@@ -248,6 +243,31 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         """torch's wrapper of the model that takes the arguments the Lightning strategy passes on
         (``DistributedDataParallel``, ``FullyShardedDataParallel``), if any."""
         return None
+
+    def _check_driver_callbacks(self, callbacks: Any) -> list[Any]:
+        """``driver_callbacks`` as a list; raises unless it is a list (or tuple) of Callbacks of
+        this strategy's Lightning namespace."""
+        if callbacks is None:
+            return []
+        expected = self.flavour.callback
+        namespace = self.flavour.namespace
+        if isinstance(callbacks, expected):
+            raise ConfigurationError(
+                f"driver_callbacks takes a list of Callbacks, got one: {callbacks!r}; pass "
+                f"driver_callbacks=[{type(callbacks).__name__}(...)]"
+            )
+        if not isinstance(callbacks, (list, tuple)):
+            raise ConfigurationError(
+                f"driver_callbacks takes a list of {namespace} Callbacks, got {callbacks!r} "
+                f"({type(callbacks).__name__})"
+            )
+        for callback in callbacks:
+            if not isinstance(callback, expected):
+                raise ConfigurationError(
+                    f"driver_callbacks takes {namespace} Callbacks, got "
+                    f"{callback!r}; subclass {namespace}.callbacks.Callback"
+                )
+        return list(callbacks)
 
     def _check_strategy_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Returns the Lightning strategy's (and its module wrapper's) arguments that change
@@ -667,6 +687,22 @@ def _worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, 
     return high, sizes if len(sizes) > 1 else ()
 
 
+#: The least amount of a resource that Ray reserves (its resource precision).
+_LEAST_RESOURCE = 0.0001
+
+
+def _worker_env(worker_env: Any) -> Mapping[str, str]:
+    """``worker_env`` as a dict (WorkerGroupConfig checks the names and values)."""
+    if worker_env is None:
+        return {}
+    if not isinstance(worker_env, Mapping):
+        raise ConfigurationError(
+            f"worker_env must be a dict of environment variables, such as {{'A': '1'}}, got "
+            f"{worker_env!r} ({type(worker_env).__name__})"
+        )
+    return dict(worker_env)
+
+
 def _resources(
     num_cpus_per_worker: float | None,
     use_gpu: bool,
@@ -683,10 +719,11 @@ def _resources(
             raise ConfigurationError(
                 f"num_cpus_per_worker must be a number > 0, got {num_cpus_per_worker!r}"
             )
-        if not num_cpus_per_worker > 0:
+        if not (math.isfinite(num_cpus_per_worker) and num_cpus_per_worker >= _LEAST_RESOURCE):
             raise ConfigurationError(
-                f"num_cpus_per_worker must be > 0, got {num_cpus_per_worker}; for workers "
-                "without a CPU reservation pass resources_per_worker without 'CPU'"
+                f"num_cpus_per_worker must be a finite number > 0 (at least {_LEAST_RESOURCE}), "
+                f"got {num_cpus_per_worker}; for workers without a CPU reservation pass "
+                "resources_per_worker without 'CPU'"
             )
     if resources_per_worker is None:
         resources = {"CPU": float(1 if num_cpus_per_worker is None else num_cpus_per_worker)}
