@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -260,3 +261,29 @@ def test_lost_peers_are_blamed_for_collective_errors_only(free_cluster):
         assert "Worker traceback:" in notes and "in all_reduce" in notes
     finally:
         group.shutdown()
+
+
+def test_the_preemption_watch_ends_with_each_call():
+    """A call that left the watch set (its fit ended without the callback that clears it) does
+    not leave it to the next call of a warm worker. The worker class runs in this process, made
+    outside the main thread so that it installs no SIGTERM handler here."""
+    from ray_lightning_sgd._worker_group.worker import _Worker, preemption
+
+    made: list[_Worker] = []
+    thread = threading.Thread(target=lambda: made.append(_Worker()))
+    thread.start()
+    thread.join()
+    worker = made[0]
+
+    def watch_and_fail() -> None:
+        preemption.watched = True
+        raise RuntimeError("the fit ended abnormally")
+
+    try:
+        with pytest.raises(RuntimeError):
+            worker.execute(watch_and_fail)
+        assert preemption.watched is False
+        preemption.watched = True  # as a call that ended before the wrapper's clean-up
+        assert worker.execute(lambda: preemption.watched) is False
+    finally:
+        preemption.watched = False
