@@ -23,7 +23,7 @@ from ray_lightning_sgd._backend.base import Backend, BackendConfig
 from ray_lightning_sgd._worker_group.config import seconds_problem
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, WorkerRank
-from ray_lightning_sgd.exceptions import ConfigurationError
+from ray_lightning_sgd.exceptions import ConfigurationError, WorkerTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -95,23 +95,35 @@ class TorchBackend(Backend):
             address,
             port,
         )
-        # each worker joins under the rank and device its group assigned, given as arguments
-        worker_group.get(
-            [
-                worker_group.execute_single_async(
-                    index,
-                    _init_process_group,
-                    rank=worker.rank,
-                    device_index=worker.device_index,
-                    backend=backend,
-                    init_method=backend_config.init_method,
-                    address=address,
-                    port=port,
-                    timeout_s=backend_config.timeout_s,
-                )
-                for index, worker in enumerate(worker_group.workers)
-            ]
-        )
+        # each worker joins under the rank and device its group assigned, given as arguments;
+        # one that cannot reach the port would wait the whole process group timeout (30 min)
+        join_s = min(backend_config.timeout_s, worker_group.config.startup_timeout_s)
+        joins = [
+            worker_group.execute_single_async(
+                index,
+                _init_process_group,
+                rank=worker.rank,
+                device_index=worker.device_index,
+                backend=backend,
+                init_method=backend_config.init_method,
+                address=address,
+                port=port,
+                timeout_s=backend_config.timeout_s,
+            )
+            for index, worker in enumerate(worker_group.workers)
+        ]
+        try:
+            worker_group.get(joins, timeout_s=join_s)
+        except WorkerTimeoutError as err:
+            raise WorkerTimeoutError(
+                f"the {len(worker_group)} workers did not all join the {backend} process group "
+                f"at {address}:{port} (worker 0's node) within {join_s:g}s (startup_timeout_s, "
+                "or TorchConfig.timeout_s if lower): a worker's node cannot reach that port, most "
+                "often a firewall between the nodes or another network interface. Open the "
+                "ports between the nodes, or name the interface in worker_env "
+                "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), or raise startup_timeout_s if the "
+                "join is only slow"
+            ) from err
 
     def on_shutdown(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
         refs = worker_group.execute_async(_destroy_process_group)
