@@ -1,5 +1,5 @@
-"""Every constructor argument, with values of the wrong type, range and shape: each is refused with a
-ConfigurationError that names the argument, before Ray is touched. Pure logic, no cluster."""
+"""Every constructor argument, with values of the wrong type, range and shape: each is refused with
+a ConfigurationError that names the argument, before Ray is touched. Pure logic, no cluster."""
 
 from __future__ import annotations
 

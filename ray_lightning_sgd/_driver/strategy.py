@@ -94,7 +94,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         backend_config: The process group's backend, init method and timeout.
         init_hook: A function run on every worker after it starts, before training.
         worker_env: Environment variables set in every worker process.
-        startup_timeout_s: How long to wait for the cluster to place and start the workers.
+        startup_timeout_s: How long to wait for the cluster to place and start the workers,
+            and for them to join the process group.
         reuse_workers: Keep the workers (actors and process group) up after a successful call, so
             that the next ``fit``, ``validate``, ``test`` or ``predict`` with the same settings,
             of this Trainer or another, starts at once. Release them with
@@ -116,7 +117,9 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             progress (no batch, no stage) for this long: a deadlock or an endless loop.
         checkpoint_every_n_epochs: Epochs between resume checkpoints.
         checkpoint_storage: Where the resume checkpoint goes (a local path or fsspec URI that
-            every worker can reach); None sends its bytes to the driver's node.
+            every worker can reach; ``~`` is expanded on the driver, and ``fit`` checks there
+            that the folder can be written before any worker starts); None sends its bytes to
+            the driver's node.
         run_name: Names the run: its resume checkpoints go to ``<checkpoint_storage>/<run_name>``
             (written every ``checkpoint_every_n_epochs`` epochs, also without ``max_failures``),
             and a new driver whose ``fit`` has the same name resumes from the latest of them,
@@ -129,11 +132,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             ``accumulate_grad_batches`` by ``max / world size``, so that each optimizer step sees
             as many samples as with ``max`` workers; the run then only takes sizes that divide
             ``max``. False: each optimizer step sees ``world size x batch size`` samples.
-        driver_callbacks: Callbacks that run on the driver while the workers train, called with
-            rank 0's live events: setup and teardown, each stage's and epoch's start and end,
-            and each batch (``outputs`` and ``batch`` are None; ``trainer`` shows rank 0's
-            epoch, step, batch counts and latest metrics). The Trainer's progress bar runs the
-            same way; callbacks given to the Trainer run on the workers, as in Lightning's DDP.
+        driver_callbacks: A list of callbacks that run on the driver while the workers train,
+            called with rank 0's live events: setup and teardown, each stage's and epoch's
+            start and end, and each batch (``outputs`` and ``batch`` are None; ``trainer``
+            shows rank 0's epoch, step, batch counts and latest metrics). The Trainer's progress
+            bar runs the same way; callbacks given to the Trainer run on the workers, as in
+            Lightning's DDP.
         ship_driver_code: Make what the driver can import importable on every worker: the
             driver's own modules (those imported from folders outside the standard library and
             site-packages, e.g. through ``sys.path.append("../src")``) are found on the workers
