@@ -125,3 +125,36 @@ def test_workers_of_the_drivers_node_keep_its_folders_before_or_after_the_packag
     code.adopt(snapshot)
     assert sys.path[0] == str(front) and sys.path[-1] == str(back)
     assert sys.path.index("/worker/site-packages") < sys.path.index(str(back))
+
+
+def test_a_code_folder_taken_by_another_user_is_bypassed(tmp_path, monkeypatch, caplog):
+    """Another user made the node's code folder first (a shared sticky /tmp): this user cannot
+    remove it, so the worker unpacks into a private folder of its own, with a warning."""
+    import io
+    import stat
+    import tempfile
+    import zipfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    taken = tmp_path / f"ray_lightning_sgd-code-{os.getuid()}"
+    taken.mkdir(mode=0o777)
+    if os.getuid() == 0:
+        os.chown(taken, 65534, 65534)  # nobody's
+    else:
+        taken.chmod(0o777)  # open to every user: as unsafe
+    packed = io.BytesIO()
+    with zipfile.ZipFile(packed, "w") as archive:
+        archive.writestr("shipped_mod.py", "VALUE = 1\n")
+    monkeypatch.setattr(ray, "get", lambda ref: packed.getvalue())
+    shipped = code.DriverCode("node", (), (), digest="d1", archive=object())
+    try:
+        with caplog.at_level(logging.WARNING, logger=code.__name__):
+            folder = Path(code._unpacked(shipped))
+        root = folder.parent
+        assert root != taken and (folder / "shipped_mod.py").read_text() == "VALUE = 1\n"
+        info = root.stat()
+        assert info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) == 0o700
+        assert list(taken.iterdir()) == []
+        assert str(taken) in caplog.text and "worker_env={'TMPDIR'" in caplog.text
+    finally:
+        code._private_fallback.cache_clear()  # its folder is this test's

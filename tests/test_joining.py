@@ -1,5 +1,6 @@
 """Joining a cluster by address: a dead address fails within seconds, a cluster that wants a token
-says so, and a stopped `ray start` cluster's leftover address does not hold up the embedded start.
+says so, a stopped `ray start` cluster's leftover address does not hold up the embedded start, and
+RAY_ADDRESS=auto with no cluster to find is an error.
 
 Each test runs its driver in a subprocess; the `ray start` head is a child process of the test
 (never `ray stop`, which would end every Ray process on the machine).
@@ -132,3 +133,26 @@ def _answers(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def test_ray_address_auto_without_a_cluster_is_an_error_not_an_embedded_ray(monkeypatch):
+    """Ray's own search for a cluster ("auto") finds nothing here (its process scan and its
+    record of the last `ray start` are faked empty: this machine may run other Ray instances),
+    so no Ray may start."""
+    from ray._private import services
+
+    from ray_lightning_sgd import ClusterConnectionError
+    from ray_lightning_sgd._worker_group import cluster
+
+    started = []
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: started.append(kwargs))
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    with pytest.raises(ClusterConnectionError) as info:
+        cluster.connect()
+    message = str(info.value)
+    assert "RAY_ADDRESS='auto'" in message and "ray start --head" in message
+    assert "unset RAY_ADDRESS" in message
+    assert started == []

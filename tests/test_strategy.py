@@ -185,14 +185,20 @@ def test_open_file_in_the_datamodule_is_named(ray_cluster, tmp_path):
     [
         ({"num_workers": 0}, "num_workers must be >= 1, got 0"),
         ({"num_workers": "2"}, "num_workers must be an int >= 1, got '2'"),
-        ({"num_cpus_per_worker": 0}, "num_cpus_per_worker must be > 0, got 0"),
+        (
+            {"num_cpus_per_worker": 0},
+            "num_cpus_per_worker must be a finite number > 0 (at least 0.0001), got 0",
+        ),
         ({"resources_per_worker": {"GPU": -1}}, "resources_per_worker['GPU'] must be a number > 0"),
         (
             {"num_cpus_per_worker": 2, "resources_per_worker": {"CPU": 1}},
             "num_cpus_per_worker=2 and resources_per_worker={'CPU': 1} ask for different CPUs",
         ),
         ({"placement_strategy": "pack"}, "placement_strategy must be one of PACK"),
-        ({"startup_timeout_s": -1}, "startup_timeout_s must be > 0, got -1"),
+        (
+            {"startup_timeout_s": -1},
+            "startup_timeout_s must be a number of seconds > 0 and at most 1e+09, got -1",
+        ),
         ({"backend_config": "nccl"}, "backend_config must be a TorchConfig"),
         ({"process_group_backend": "gloo"}, "use backend_config=TorchConfig(backend=...)"),
         ({"find_unused_parameter": True}, "unknown argument find_unused_parameter=True"),
@@ -225,7 +231,7 @@ def test_resource_arguments_merge(kwargs, reserved):
     [
         ({"backend": "mpi"}, "TorchConfig.backend must be one of gloo, nccl"),
         ({"init_method": "file"}, "TorchConfig.init_method must be one of env, tcp"),
-        ({"timeout_s": 0}, "TorchConfig.timeout_s must be > 0, got 0"),
+        ({"timeout_s": 0}, "TorchConfig.timeout_s must be a number of seconds > 0"),
     ],
 )
 def test_bad_torch_config(kwargs, message):

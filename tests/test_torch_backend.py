@@ -45,3 +45,51 @@ def test_backend_defaults_to_gloo_on_cpu_and_nccl_on_gpu():
 def test_configs_name_their_backend():
     assert TorchConfig().backend_cls.__name__ == "TorchBackend"
     assert BackendConfig().backend_cls.__name__ == "Backend"
+
+
+class _GroupWhoseWorkerCannotJoin:
+    """A fake worker group of two whose rank 1 never reaches the rendezvous port: its join
+    returns only when the driver stops waiting (the timeout the driver gives is recorded)."""
+
+    def __init__(self) -> None:
+        from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, WorkerRank
+
+        self.config = WorkerGroupConfig(num_workers=2, startup_timeout_s=7)
+        self.metadata = [WorkerMetadata("n", "10.0.0.1", "h", 1, "a", ())] * 2
+        self.workers = [
+            type("W", (), {"rank": WorkerRank(r, r, 0, 2, 2, 1), "device_index": None})()
+            for r in range(2)
+        ]
+        self.waited: list[float | None] = []
+
+    def __len__(self) -> int:
+        return 2
+
+    def execute(self, fn):
+        return [None, None]
+
+    def execute_single(self, index, fn):
+        return ("10.0.0.1", 29511)
+
+    def execute_single_async(self, index, fn, **kwargs):
+        return index
+
+    def get(self, refs, timeout_s=None, **kwargs):
+        from ray_lightning_sgd.exceptions import WorkerTimeoutError
+
+        self.waited.append(timeout_s)
+        if timeout_s is None:
+            raise AssertionError("the driver waits for the join without a bound")
+        raise WorkerTimeoutError(f"did not finish within {timeout_s:.1f}s")
+
+
+def test_a_join_that_cannot_reach_the_port_ends_after_startup_timeout():
+    from ray_lightning_sgd._backend.torch import TorchBackend
+    from ray_lightning_sgd.exceptions import WorkerTimeoutError
+
+    group = _GroupWhoseWorkerCannotJoin()
+    with pytest.raises(WorkerTimeoutError) as info:
+        TorchBackend().on_start(group, TorchConfig())  # timeout_s: 1800
+    assert group.waited == [7]
+    message = str(info.value)
+    assert "10.0.0.1:29511" in message and "startup_timeout_s" in message

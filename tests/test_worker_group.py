@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -47,8 +48,11 @@ def _boom(rank_to_fail: int):
         ({"resources_per_worker": {"CPU": -1}}, "got -1"),
         ({"resources_per_worker": {}}, "at least one resource"),
         ({"placement_strategy": "TIGHT"}, "placement_strategy must be one of"),
-        ({"startup_timeout_s": 0}, "startup_timeout_s must be > 0"),
-        ({"startup_timeout_s": float("inf")}, "startup_timeout_s must be > 0, got inf"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s must be a number of seconds > 0"),
+        (
+            {"startup_timeout_s": float("inf")},
+            "startup_timeout_s must be a number of seconds > 0 and at most 1e+09, got inf",
+        ),
         ({"resources_per_worker": {"GPU": 1e-6}}, "(at least 0.0001)"),
         ({"worker_env": {"A": 1}}, "worker_env must map str to str"),
     ],
@@ -257,3 +261,29 @@ def test_lost_peers_are_blamed_for_collective_errors_only(free_cluster):
         assert "Worker traceback:" in notes and "in all_reduce" in notes
     finally:
         group.shutdown()
+
+
+def test_the_preemption_watch_ends_with_each_call():
+    """A call that left the watch set (its fit ended without the callback that clears it) does
+    not leave it to the next call of a warm worker. The worker class runs in this process, made
+    outside the main thread so that it installs no SIGTERM handler here."""
+    from ray_lightning_sgd._worker_group.worker import _Worker, preemption
+
+    made: list[_Worker] = []
+    thread = threading.Thread(target=lambda: made.append(_Worker()))
+    thread.start()
+    thread.join()
+    worker = made[0]
+
+    def watch_and_fail() -> None:
+        preemption.watched = True
+        raise RuntimeError("the fit ended abnormally")
+
+    try:
+        with pytest.raises(RuntimeError):
+            worker.execute(watch_and_fail)
+        assert preemption.watched is False
+        preemption.watched = True  # as a call that ended before the wrapper's clean-up
+        assert worker.execute(lambda: preemption.watched) is False
+    finally:
+        preemption.watched = False

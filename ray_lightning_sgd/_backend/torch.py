@@ -9,7 +9,6 @@ and waits a bounded time.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 from collections.abc import Sequence
@@ -21,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from ray_lightning_sgd._backend.base import Backend, BackendConfig
+from ray_lightning_sgd._worker_group.config import seconds_problem
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, WorkerRank
-from ray_lightning_sgd.exceptions import ConfigurationError
+from ray_lightning_sgd.exceptions import ConfigurationError, WorkerTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +48,21 @@ class TorchConfig(BackendConfig):
     timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
-        if self.backend is not None and self.backend not in BACKENDS:
+        if self.backend is not None and (
+            not isinstance(self.backend, str) or self.backend not in BACKENDS
+        ):
             raise ConfigurationError(
                 f"TorchConfig.backend must be one of {', '.join(BACKENDS)} or None (gloo on CPU, "
                 f"NCCL on GPU), got {self.backend!r}"
             )
-        if self.init_method not in INIT_METHODS:
+        if not isinstance(self.init_method, str) or self.init_method not in INIT_METHODS:
             raise ConfigurationError(
                 f"TorchConfig.init_method must be one of {', '.join(INIT_METHODS)}, "
                 f"got {self.init_method!r}"
             )
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
-            raise ConfigurationError(
-                f"TorchConfig.timeout_s must be a number > 0, got {self.timeout_s!r}"
-            )
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ConfigurationError(f"TorchConfig.timeout_s must be > 0, got {self.timeout_s}")
+        problem = seconds_problem(self.timeout_s)
+        if problem is not None:
+            raise ConfigurationError(f"TorchConfig.timeout_s {problem}")
 
     @property
     def backend_cls(self) -> type[Backend]:
@@ -96,23 +95,35 @@ class TorchBackend(Backend):
             address,
             port,
         )
-        # each worker joins under the rank and device its group assigned, given as arguments
-        worker_group.get(
-            [
-                worker_group.execute_single_async(
-                    index,
-                    _init_process_group,
-                    rank=worker.rank,
-                    device_index=worker.device_index,
-                    backend=backend,
-                    init_method=backend_config.init_method,
-                    address=address,
-                    port=port,
-                    timeout_s=backend_config.timeout_s,
-                )
-                for index, worker in enumerate(worker_group.workers)
-            ]
-        )
+        # each worker joins under the rank and device its group assigned, given as arguments;
+        # one that cannot reach the port would wait the whole process group timeout (30 min)
+        join_s = min(backend_config.timeout_s, worker_group.config.startup_timeout_s)
+        joins = [
+            worker_group.execute_single_async(
+                index,
+                _init_process_group,
+                rank=worker.rank,
+                device_index=worker.device_index,
+                backend=backend,
+                init_method=backend_config.init_method,
+                address=address,
+                port=port,
+                timeout_s=backend_config.timeout_s,
+            )
+            for index, worker in enumerate(worker_group.workers)
+        ]
+        try:
+            worker_group.get(joins, timeout_s=join_s)
+        except WorkerTimeoutError as err:
+            raise WorkerTimeoutError(
+                f"the {len(worker_group)} workers did not all join the {backend} process group "
+                f"at {address}:{port} (worker 0's node) within {join_s:g}s (startup_timeout_s, "
+                "or TorchConfig.timeout_s if lower): a worker's node cannot reach that port, most "
+                "often a firewall between the nodes or another network interface. Open the "
+                "ports between the nodes, or name the interface in worker_env "
+                "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), or raise startup_timeout_s if the "
+                "join is only slow"
+            ) from err
 
     def on_shutdown(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
         refs = worker_group.execute_async(_destroy_process_group)

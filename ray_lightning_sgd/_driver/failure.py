@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
+import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ray_lightning_sgd._worker_group.config import seconds_problem
 from ray_lightning_sgd.exceptions import ConfigurationError
-
-if TYPE_CHECKING:
-    pass
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
@@ -30,8 +28,9 @@ class FailureConfig:
         progress_timeout_s: Raise ``WorkerTimeoutError`` when a rank reports no progress (a batch,
             a stage) for this long; None: never.
         checkpoint_every_n_epochs: How often the resume checkpoint is written when restarts are on.
-        checkpoint_storage: Where rank 0 writes it: a local path or an fsspec URI that the
-            workers can write and read; None: its bytes go to the driver's node.
+        checkpoint_storage: Where rank 0 writes it: a local path (``~`` is expanded at launch; a
+            ``pathlib.Path`` is kept as its str) or an fsspec URI that the workers can write and
+            read; None: its bytes go to the driver's node.
         run_name: Names the run's folder of ``checkpoint_storage``: a new driver running ``fit``
             with the same name resumes from the run's latest resume checkpoint (the driver died).
             None: each launch has a folder of its own, removed when its ``fit`` ends.
@@ -55,6 +54,8 @@ class FailureConfig:
         return bool(self.max_failures) or self.run_name is not None
 
     def __post_init__(self) -> None:
+        if isinstance(self.checkpoint_storage, os.PathLike):
+            object.__setattr__(self, "checkpoint_storage", os.fspath(self.checkpoint_storage))
         if not _is_int(self.max_failures) or self.max_failures < -1:
             raise ConfigurationError(
                 f"max_failures must be an int >= 0, or -1 for no limit, got {self.max_failures!r}"
@@ -65,22 +66,17 @@ class FailureConfig:
                 f"{self.max_preemptions!r}"
             )
         timeout = self.progress_timeout_s
-        if timeout is not None and not _is_seconds(timeout):
+        if timeout is not None and seconds_problem(timeout) is not None:
             raise ConfigurationError(
-                f"progress_timeout_s must be a number of seconds > 0, or None, got {timeout!r}"
+                f"progress_timeout_s {seconds_problem(timeout)}; or None for no timeout"
             )
         if not _is_int(self.checkpoint_every_n_epochs) or self.checkpoint_every_n_epochs < 1:
             raise ConfigurationError(
                 "checkpoint_every_n_epochs must be an int >= 1, got "
                 f"{self.checkpoint_every_n_epochs!r}"
             )
-        if self.checkpoint_storage is not None and (
-            not isinstance(self.checkpoint_storage, str) or not self.checkpoint_storage
-        ):
-            raise ConfigurationError(
-                "checkpoint_storage must be a path or fsspec URI (a non-empty str), or None, got "
-                f"{self.checkpoint_storage!r}"
-            )
+        if self.checkpoint_storage is not None:
+            _check_storage(self.checkpoint_storage)
         if self.run_name is not None:
             if not isinstance(self.run_name, str) or not _RUN_NAME.fullmatch(self.run_name):
                 raise ConfigurationError(
@@ -94,20 +90,31 @@ class FailureConfig:
                 )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise ConfigurationError(f"keep_last must be an int >= 1, got {self.keep_last!r}")
-        if not _is_seconds(self.resize_interval_s):
+        interval_problem = seconds_problem(self.resize_interval_s)
+        if interval_problem is not None:
+            raise ConfigurationError(f"resize_interval_s {interval_problem}")
+
+
+def _check_storage(storage: Any) -> None:
+    """Raises unless ``storage`` is a non-empty path or a URI whose protocols fsspec knows."""
+    if not isinstance(storage, str) or not storage.strip() or "\0" in storage:
+        raise ConfigurationError(
+            "checkpoint_storage must be a path or fsspec URI (a non-empty str or a "
+            f"pathlib.Path), or None, got {storage!r}"
+        )
+    if "://" not in storage:
+        return
+    import fsspec  # only where a URI is given
+
+    known = set(fsspec.available_protocols())
+    for part in storage.split("::"):  # fsspec's chained URLs: simplecache::s3://...
+        protocol = fsspec.core.split_protocol(part)[0]
+        if protocol is not None and protocol not in known:
             raise ConfigurationError(
-                f"resize_interval_s must be a number of seconds > 0, got {self.resize_interval_s!r}"
+                f"checkpoint_storage={storage!r} names the protocol {protocol!r}, which fsspec "
+                "does not know; give a local path, or a URI such as s3://bucket/folder (with "
+                "its fsspec package, s3fs here, installed on the driver and the workers)"
             )
-
-
-def _is_seconds(value: Any) -> bool:
-    """Whether ``value`` is a finite number of seconds > 0 (not a bool)."""
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and math.isfinite(value)
-        and value > 0
-    )
 
 
 def _is_int(value: Any) -> bool:

@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import signal
 import threading
 import uuid
@@ -32,6 +31,7 @@ from typing_extensions import override
 
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._driver import elastic, runs
+from ray_lightning_sgd._driver import storage as _storage
 from ray_lightning_sgd._driver.checks import check_global_batch, check_trainer, pack_payload
 from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
@@ -105,6 +105,8 @@ class RayLauncherBase(_Base):
             check_trainer(trainer, strategy)
             if fitting:
                 check_global_batch(trainer, model, strategy)
+                if failure.checkpoint_storage is not None:
+                    _check_storage(failure.checkpoint_storage, failure.run_name)
         cluster.connect()
         run_id = uuid.uuid4().hex[:12]
         callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
@@ -340,9 +342,18 @@ def _run_folder(storage: str | None, run_id: str, run_name: str | None) -> str |
     resume checkpoints."""
     if storage is None:
         return None
-    if "://" not in storage:  # a local path means the same folder to the driver and its workers
-        storage = os.path.abspath(storage)
+    # a local path means the same folder to the driver and its workers
+    storage = _storage.resolve(storage)
     return f"{storage.rstrip('/')}/{run_name if run_name is not None else f'run-{run_id}'}"
+
+
+def _check_storage(given: str, run_name: str | None) -> None:
+    """Driver side, before Ray is touched: raises unless the folder rank 0 will write can be
+    created and written (a named run's own folder; else the storage, where each launch makes
+    one)."""
+    root = _storage.resolve(given)
+    folder = root if run_name is None else f"{root.rstrip('/')}/{run_name}"
+    _storage.check_writable(folder, given)
 
 
 def _finish_artifacts(mirror: Any) -> None:

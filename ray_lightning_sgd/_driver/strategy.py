@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import typing
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -93,7 +94,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         backend_config: The process group's backend, init method and timeout.
         init_hook: A function run on every worker after it starts, before training.
         worker_env: Environment variables set in every worker process.
-        startup_timeout_s: How long to wait for the cluster to place and start the workers.
+        startup_timeout_s: How long to wait for the cluster to place and start the workers,
+            and for them to join the process group.
         reuse_workers: Keep the workers (actors and process group) up after a successful call, so
             that the next ``fit``, ``validate``, ``test`` or ``predict`` with the same settings,
             of this Trainer or another, starts at once. Release them with
@@ -115,7 +117,9 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             progress (no batch, no stage) for this long: a deadlock or an endless loop.
         checkpoint_every_n_epochs: Epochs between resume checkpoints.
         checkpoint_storage: Where the resume checkpoint goes (a local path or fsspec URI that
-            every worker can reach); None sends its bytes to the driver's node.
+            every worker can reach; ``~`` is expanded on the driver, and ``fit`` checks there
+            that the folder can be written before any worker starts); None sends its bytes to
+            the driver's node.
         run_name: Names the run: its resume checkpoints go to ``<checkpoint_storage>/<run_name>``
             (written every ``checkpoint_every_n_epochs`` epochs, also without ``max_failures``),
             and a new driver whose ``fit`` has the same name resumes from the latest of them,
@@ -128,11 +132,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             ``accumulate_grad_batches`` by ``max / world size``, so that each optimizer step sees
             as many samples as with ``max`` workers; the run then only takes sizes that divide
             ``max``. False: each optimizer step sees ``world size x batch size`` samples.
-        driver_callbacks: Callbacks that run on the driver while the workers train, called with
-            rank 0's live events: setup and teardown, each stage's and epoch's start and end,
-            and each batch (``outputs`` and ``batch`` are None; ``trainer`` shows rank 0's
-            epoch, step, batch counts and latest metrics). The Trainer's progress bar runs the
-            same way; callbacks given to the Trainer run on the workers, as in Lightning's DDP.
+        driver_callbacks: A list of callbacks that run on the driver while the workers train,
+            called with rank 0's live events: setup and teardown, each stage's and epoch's
+            start and end, and each batch (``outputs`` and ``batch`` are None; ``trainer``
+            shows rank 0's epoch, step, batch counts and latest metrics). The Trainer's progress
+            bar runs the same way; callbacks given to the Trainer run on the workers, as in
+            Lightning's DDP.
         ship_driver_code: Make what the driver can import importable on every worker: the
             driver's own modules (those imported from folders outside the standard library and
             site-packages, e.g. through ``sys.path.append("../src")``) are found on the workers
@@ -190,13 +195,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             keep_last=keep_last,
             resize_interval_s=resize_interval_s,
         )
-        self._driver_callbacks = list(driver_callbacks or [])
-        for callback in self._driver_callbacks:
-            if not isinstance(callback, self.flavour.callback):
-                raise ConfigurationError(
-                    f"driver_callbacks takes {self.flavour.namespace} Callbacks, got "
-                    f"{callback!r}; subclass {self.flavour.namespace}.callbacks.Callback"
-                )
+        self._driver_callbacks = self._check_driver_callbacks(driver_callbacks)
         if not isinstance(reuse_workers, bool):
             raise ConfigurationError(f"reuse_workers must be True or False, got {reuse_workers!r}")
         backend_config = TorchConfig() if backend_config is None else backend_config
@@ -216,7 +215,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             sizes=sizes,
             resources_per_worker=_resources(num_cpus_per_worker, use_gpu, resources_per_worker),
             placement_strategy=placement_strategy,
-            worker_env=dict(worker_env or {}),
+            worker_env=_worker_env(worker_env),
             init_hook=init_hook,
             startup_timeout_s=startup_timeout_s,
             ship_driver_code=ship_driver_code,
@@ -248,6 +247,31 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         """torch's wrapper of the model that takes the arguments the Lightning strategy passes on
         (``DistributedDataParallel``, ``FullyShardedDataParallel``), if any."""
         return None
+
+    def _check_driver_callbacks(self, callbacks: Any) -> list[Any]:
+        """``driver_callbacks`` as a list; raises unless it is a list (or tuple) of Callbacks of
+        this strategy's Lightning namespace."""
+        if callbacks is None:
+            return []
+        expected = self.flavour.callback
+        namespace = self.flavour.namespace
+        if isinstance(callbacks, expected):
+            raise ConfigurationError(
+                f"driver_callbacks takes a list of Callbacks, got one: {callbacks!r}; pass "
+                f"driver_callbacks=[{type(callbacks).__name__}(...)]"
+            )
+        if not isinstance(callbacks, (list, tuple)):
+            raise ConfigurationError(
+                f"driver_callbacks takes a list of {namespace} Callbacks, got {callbacks!r} "
+                f"({type(callbacks).__name__})"
+            )
+        for callback in callbacks:
+            if not isinstance(callback, expected):
+                raise ConfigurationError(
+                    f"driver_callbacks takes {namespace} Callbacks, got "
+                    f"{callback!r}; subclass {namespace}.callbacks.Callback"
+                )
+        return list(callbacks)
 
     def _check_strategy_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Returns the Lightning strategy's (and its module wrapper's) arguments that change
@@ -667,6 +691,22 @@ def _worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, 
     return high, sizes if len(sizes) > 1 else ()
 
 
+#: The least amount of a resource that Ray reserves (its resource precision).
+_LEAST_RESOURCE = 0.0001
+
+
+def _worker_env(worker_env: Any) -> Mapping[str, str]:
+    """``worker_env`` as a dict (WorkerGroupConfig checks the names and values)."""
+    if worker_env is None:
+        return {}
+    if not isinstance(worker_env, Mapping):
+        raise ConfigurationError(
+            f"worker_env must be a dict of environment variables, such as {{'A': '1'}}, got "
+            f"{worker_env!r} ({type(worker_env).__name__})"
+        )
+    return dict(worker_env)
+
+
 def _resources(
     num_cpus_per_worker: float | None,
     use_gpu: bool,
@@ -683,10 +723,11 @@ def _resources(
             raise ConfigurationError(
                 f"num_cpus_per_worker must be a number > 0, got {num_cpus_per_worker!r}"
             )
-        if not num_cpus_per_worker > 0:
+        if not (math.isfinite(num_cpus_per_worker) and num_cpus_per_worker >= _LEAST_RESOURCE):
             raise ConfigurationError(
-                f"num_cpus_per_worker must be > 0, got {num_cpus_per_worker}; for workers "
-                "without a CPU reservation pass resources_per_worker without 'CPU'"
+                f"num_cpus_per_worker must be a finite number > 0 (at least {_LEAST_RESOURCE}), "
+                f"got {num_cpus_per_worker}; for workers without a CPU reservation pass "
+                "resources_per_worker without 'CPU'"
             )
     if resources_per_worker is None:
         resources = {"CPU": float(1 if num_cpus_per_worker is None else num_cpus_per_worker)}

@@ -3,8 +3,9 @@
 :func:`connect` uses a Ray that is already initialised, the cluster named by ``RAY_ADDRESS``, or a
 cluster started with ``ray start`` on this machine; when there is none (or the one recorded there no
 longer answers), it starts an embedded local instance on 127.0.0.1 only, without a dashboard, which
-Ray shuts down when the program exits. An address that answers nothing, or a cluster that refuses
-the driver, is an error within seconds that says what to check.
+Ray shuts down when the program exits. An address that answers nothing, ``RAY_ADDRESS=auto`` with
+no cluster to find, or a cluster that refuses the driver, is an error within seconds that says what
+to check.
 
 :func:`placement_problem` is a pure function that tells, from the nodes' total resources, whether a
 gang of workers could ever be placed; the worker group calls it before it reserves anything, so that
@@ -42,7 +43,8 @@ def connect() -> bool:
 
     Raises:
         ClusterConnectionError: ``RAY_ADDRESS`` names an address where no cluster answers, or
-            the cluster there refused the connection (token authentication, most often).
+            is ``auto`` and no cluster runs on this machine, or the cluster there refused the
+            connection (token authentication, most often).
     """
     if ray.is_initialized():
         return False
@@ -54,6 +56,14 @@ def connect() -> bool:
         address = _compat.ray.address_to_join()
     except ValueError as err:  # an address Ray cannot parse
         raise ClusterConnectionError(f"RAY_ADDRESS={named!r} is not a Ray address: {err}") from err
+    if address is None and named == "auto":
+        # Ray's "auto" finds nothing: the user asked for a running cluster, not a new one
+        raise ClusterConnectionError(
+            "RAY_ADDRESS='auto' asks for a running Ray cluster, and none was found on this "
+            "machine (no `ray start` cluster recorded, no Ray process running); start the head "
+            "first (ray start --head), give the head's address (RAY_ADDRESS=<head-ip>:6379), or "
+            "unset RAY_ADDRESS to train on an embedded Ray on this machine"
+        )
     if address is not None and not _answers(address):
         if named:
             # Ray would retry for minutes before it gives up

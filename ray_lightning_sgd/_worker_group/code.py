@@ -22,6 +22,8 @@ code changes between two calls, warm workers, which imported the old code, are n
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -31,6 +33,7 @@ import logging
 import os
 import shutil
 import site
+import stat
 import sys
 import sysconfig
 import tempfile
@@ -222,14 +225,7 @@ def _unpacked(code: DriverCode) -> str:
     this user's own (mode 0700: no other user of the node can put code there)."""
     import ray
 
-    root = os.path.join(tempfile.gettempdir(), f"ray_lightning_sgd-code-{os.getuid()}")
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    info = os.stat(root)
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(
-            f"{root} (for the driver's shipped code) must belong to this user alone (mode 0700); "
-            "remove it and run again"
-        )
+    root = _code_root()
     target = os.path.join(root, code.digest)
     if os.path.isdir(target):
         return target  # another worker of this node unpacked it, in this call or an earlier one
@@ -244,6 +240,51 @@ def _unpacked(code: DriverCode) -> str:
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone after a rename; a loser's copy
     return target
+
+
+def _code_root() -> str:
+    """Runs on a worker: the folder of this user's own where shipped code is unpacked, one per
+    node (``ray_lightning_sgd-code-<uid>`` in the temporary folder); when that name is taken by
+    something not this user's alone (another user can make it first in a shared ``/tmp``), a
+    fresh private folder of this process's instead."""
+    root = os.path.join(tempfile.gettempdir(), f"ray_lightning_sgd-code-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, 0o700)
+    problem = _not_private(root)
+    return root if problem is None else _private_fallback(root, problem)
+
+
+def _not_private(folder: str) -> str | None:
+    """Why ``folder`` is not a folder of this user's alone (no other user may put code in it),
+    or None when it is one."""
+    try:
+        info = os.lstat(folder)  # a link is refused, not followed
+    except OSError as err:
+        return str(err)
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a folder (a link or a file)"
+    if info.st_uid != os.getuid():
+        return f"it belongs to user id {info.st_uid}, not to this user ({os.getuid()})"
+    if info.st_mode & 0o077:
+        return f"its mode {info.st_mode & 0o777:o} lets other users write or read it"
+    return None
+
+
+@functools.cache  # one per process, removed when it exits normally
+def _private_fallback(root: str, problem: str) -> str:
+    folder = tempfile.mkdtemp(prefix=f"ray_lightning_sgd-code-{os.getuid()}-")
+    atexit.register(shutil.rmtree, folder, True)
+    log.warning(
+        "%s cannot hold the driver's shipped code: %s. This worker unpacks it in %s instead "
+        "(one copy per worker, not per node). To share one copy per node again, have %s "
+        "removed (by its owner or root), or give the workers a temporary folder of your own: "
+        "worker_env={'TMPDIR': <a folder only you can write>}",
+        root,
+        problem,
+        folder,
+        root,
+    )
+    return folder
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray_lightning_sgd._worker_group.code import DriverCode
 from ray_lightning_sgd.exceptions import ConfigurationError
@@ -14,6 +15,33 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 #: Prefix of the names of every actor and placement group this package creates.
 NAME_PREFIX = "ray_lightning_sgd"
+
+#: The longest timeout any argument takes (about 31 years): Python's timedelta, Ray's timeouts
+#: (int64 milliseconds) and gloo (which refuses a timeout that overflows) all hold it.
+MAX_SECONDS = 1e9
+
+
+def seconds_problem(value: object) -> str | None:
+    """Why ``value`` is not a number of seconds (> 0, finite, at most :data:`MAX_SECONDS`; not a
+    bool), or None when it is one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"must be a number of seconds > 0, got {value!r} ({type(value).__name__})"
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        return f"must be a number of seconds > 0 and at most {MAX_SECONDS:.0e}, got {value!r}"
+    return None
+
+
+def _env_problem(worker_env: Mapping[Any, Any]) -> str | None:
+    """Why ``worker_env`` cannot be set as environment variables, or None when it can."""
+    for key, value in worker_env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            return f"must map str to str, got {key!r}: {value!r}; convert the value with str()"
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            return (
+                f"must map variable names (not empty, without '=' or NUL) to values without "
+                f"NUL, got {key!r}: {value!r}"
+            )
+    return None
 
 
 @dataclass(frozen=True)
@@ -59,11 +87,18 @@ class WorkerGroupConfig:
         if self.sizes and (
             list(self.sizes) != sorted(set(self.sizes), reverse=True)
             or self.sizes[0] != self.num_workers
-            or not all(isinstance(n, int) and n >= 1 for n in self.sizes)
+            or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.sizes
+            )
         ):
             raise ConfigurationError(
                 f"sizes must be distinct ints >= 1, largest first, the first {self.num_workers}; "
                 f"got {self.sizes!r}"
+            )
+        if not isinstance(self.resources_per_worker, Mapping):
+            raise ConfigurationError(
+                "resources_per_worker must be a dict such as {'CPU': 2, 'GPU': 1}, got "
+                f"{self.resources_per_worker!r}"
             )
         if not self.resources_per_worker:
             raise ConfigurationError(
@@ -72,7 +107,10 @@ class WorkerGroupConfig:
             )
         for name, amount in self.resources_per_worker.items():
             if not isinstance(name, str) or not name:
-                raise ConfigurationError(f"resource names must be non-empty strings, got {name!r}")
+                raise ConfigurationError(
+                    f"resources_per_worker must map resource names (non-empty str) to numbers, "
+                    f"got the name {name!r}"
+                )
             if (
                 isinstance(amount, bool)
                 or not isinstance(amount, (int, float))
@@ -88,31 +126,30 @@ class WorkerGroupConfig:
                 "resources_per_worker['GPU'] above 1 must be a whole number, got "
                 f"{self.resources_per_worker['GPU']}"
             )
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+        if not isinstance(self.placement_strategy, str) or (
+            self.placement_strategy not in PLACEMENT_STRATEGIES
+        ):
             raise ConfigurationError(
                 f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
                 f"got {self.placement_strategy!r}"
             )
-        for key, value in self.worker_env.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise ConfigurationError(
-                    f"worker_env must map str to str, got {key!r}: {value!r}; "
-                    "convert the value with str()"
-                )
+        if not isinstance(self.worker_env, Mapping):
+            raise ConfigurationError(
+                f"worker_env must be a dict of environment variables such as {{'A': '1'}}, got "
+                f"{self.worker_env!r}"
+            )
+        env_problem = _env_problem(self.worker_env)
+        if env_problem is not None:
+            raise ConfigurationError(f"worker_env {env_problem}")
         if not isinstance(self.ship_driver_code, bool):
             raise ConfigurationError(
                 f"ship_driver_code must be True or False, got {self.ship_driver_code!r}"
             )
         if self.init_hook is not None and not callable(self.init_hook):
             raise ConfigurationError(f"init_hook must be callable, got {self.init_hook!r}")
-        if isinstance(self.startup_timeout_s, bool) or not isinstance(
-            self.startup_timeout_s, (int, float)
-        ):
-            raise ConfigurationError(
-                f"startup_timeout_s must be a number > 0, got {self.startup_timeout_s!r}"
-            )
-        if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
-            raise ConfigurationError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        timeout_problem = seconds_problem(self.startup_timeout_s)
+        if timeout_problem is not None:
+            raise ConfigurationError(f"startup_timeout_s {timeout_problem}")
 
     @property
     def elastic(self) -> bool:

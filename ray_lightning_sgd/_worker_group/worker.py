@@ -135,6 +135,9 @@ class _Worker:
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         self._call_ended.clear()
         self._call_ok = False
+        # a call that ended abnormally (a fit killed by its thread's end, a callback that never
+        # ran) must not leave a warm worker training on after a later call's SIGTERM
+        preemption.watched = False
         self._running = True
         try:
             result = fn(*args, **kwargs)
@@ -158,6 +161,7 @@ class _Worker:
             raise
         finally:
             self._running = False
+            preemption.watched = False
             self._call_ended.set()
 
 

@@ -1,0 +1,65 @@
+"""Driver side: where a run's resume checkpoints go, and whether that place can be written.
+
+``checkpoint_storage`` is a local path or an fsspec URI. A local path is made absolute on the
+driver (``~`` expanded, as Lightning does for ``dirpath`` and ``default_root_dir``): the workers
+then write the same folder wherever their current directory or home is. Before any worker starts,
+:func:`check_writable` creates the folder and a probe file in it, so that a read-only or missing
+mount is an error at launch naming the argument, not an ``OSError`` on rank 0 after an epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+from ray_lightning_sgd.exceptions import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+#: The name the probe file starts with (a hidden file: Lightning and our listings skip it).
+PROBE_PREFIX = ".ray_lightning_sgd-probe-"
+
+
+def resolve(storage: str) -> str:
+    """``storage`` as the workers use it: a URI as given, a local path absolute with ``~``
+    expanded (on the driver)."""
+    if "://" in storage:
+        return storage
+    return os.path.abspath(os.path.expanduser(storage))
+
+
+def check_writable(folder: str, given: str) -> None:
+    """Driver side, before any worker starts: creates ``folder`` (a local path or fsspec URI)
+    and a probe file in it, and removes the probe.
+
+    Args:
+        folder: The folder of ``checkpoint_storage`` that rank 0 will write.
+        given: The ``checkpoint_storage`` the user gave, for the message.
+
+    Raises:
+        ConfigurationError: The folder cannot be created or written, naming ``checkpoint_storage``,
+            its value and the error.
+    """
+    import fsspec
+
+    probe = f"{folder.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
+    try:
+        filesystem, path = fsspec.core.url_to_fs(folder)
+        filesystem.makedirs(path, exist_ok=True)
+        probe_path = f"{path.rstrip('/')}/{os.path.basename(probe)}"
+        with filesystem.open(probe_path, "wb") as file:
+            file.write(b"")
+    except Exception as err:  # OSError locally; fsspec's backends raise their own kinds
+        where = "" if folder == given else f" ({folder})"
+        raise ConfigurationError(
+            f"checkpoint_storage={given!r}{where} cannot be written: "
+            f"{type(err).__name__}: {err}. Give a folder that the driver and every worker's node "
+            "can create and write (a shared file system, or an fsspec URI such as "
+            "s3://bucket/runs with its package installed), or leave checkpoint_storage out to "
+            "keep resume checkpoints on the driver's node"
+        ) from err
+    try:
+        filesystem.rm(probe_path)
+    except Exception as err:  # noqa: BLE001 - the storage works; a stray empty file is no error
+        log.warning("Could not remove the probe file %s: %s", probe, err)

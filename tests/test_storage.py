@@ -1,0 +1,90 @@
+"""checkpoint_storage at launch: ``~`` expanded, and a folder that cannot be written refused on
+the driver before Ray is touched. No cluster: the launch is stopped where it would connect."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import pytorch_lightning as pl
+
+from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
+from ray_lightning_sgd._driver import launcher, storage
+from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+
+
+class _Connected(Exception):
+    """The launch got as far as connecting to Ray."""
+
+
+@pytest.fixture
+def no_connect(monkeypatch):
+    def connect() -> bool:
+        raise _Connected
+
+    monkeypatch.setattr(launcher.cluster, "connect", connect)
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A real read-only file system (root ignores a folder's mode bits, so chmod proves
+    nothing here)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def _fit(**strategy_kwargs) -> None:
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(**strategy_kwargs),
+        max_epochs=1,
+        enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )
+    trainer.fit(TinyModel(), loader())
+
+
+@pytest.mark.parametrize("run_name", [None, "named"])
+def test_an_unwritable_storage_fails_at_launch_naming_it(read_only_folder, no_connect, run_name):
+    given = str(read_only_folder / "ckpts")
+    with pytest.raises(ConfigurationError) as info:
+        _fit(max_failures=2, checkpoint_storage=given, run_name=run_name)
+    message = str(info.value)
+    assert f"checkpoint_storage={given!r}" in message
+    assert "Read-only file system" in message
+
+
+def test_tilde_in_storage_is_the_drivers_home(tmp_path, monkeypatch, no_connect):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    strategy_kwargs = {"max_failures": 1, "checkpoint_storage": "~/ckpts"}
+    with pytest.raises(_Connected):  # the storage passed its check
+        _fit(**strategy_kwargs)
+    assert sorted(os.listdir(home / "ckpts")) == []  # created, and the probe removed
+    assert not (cwd / "~").exists()
+    assert launcher._run_folder("~/ckpts", "abc", None) == f"{home}/ckpts/run-abc"
+    assert launcher._run_folder("~/ckpts", "abc", "r") == f"{home}/ckpts/r"
+    # the value as given reads back; a URI is left as it is
+    assert RaySGDStrategy(**strategy_kwargs).checkpoint_storage == "~/ckpts"
+    assert storage.resolve("s3://b/~x") == "s3://b/~x"
+
+
+def test_a_uri_storage_is_probed_through_fsspec():
+    import fsspec
+
+    storage.check_writable("memory://ckpts/run", "memory://ckpts")
+    assert fsspec.filesystem("memory").ls("/ckpts/run") == []  # made, probe removed
