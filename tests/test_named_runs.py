@@ -35,7 +35,10 @@ DRIVER = textwrap.dedent(
 
     pl.seed_everything(0)
     model = TinyModel()
-    strategy = RaySGDStrategy(num_workers=2, checkpoint_storage=sys.argv[1], run_name="digits-v3")
+    # the workers see the stall (Ray starts them with the cluster's environment, not this one's)
+    stall = {"STALL_IN_EPOCH": os.environ.get("STALL_IN_EPOCH", "")}
+    strategy = RaySGDStrategy(num_workers=2, checkpoint_storage=sys.argv[1], run_name="digits-v3",
+                              worker_env=stall)
     trainer = pl.Trainer(strategy=strategy, max_epochs=3, callbacks=[StallsInEpoch()],
                          enable_checkpointing=False, **quiet_trainer_kwargs())
     trainer.fit(model, loader())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ray_lightning_sgd._compat import ray, torch
 from ray_lightning_sgd._compat.lightning import (
+    METRICS_KEPT,
     ConfigureLauncher,
     ckpt_path_of,
     committed_metrics,
@@ -28,6 +29,7 @@ from ray_lightning_sgd._compat.lightning import (
 from ray_lightning_sgd._compat.ray import bind_local_ray_to_loopback
 
 __all__ = [
+    "METRICS_KEPT",
     "ConfigureLauncher",
     "bind_local_ray_to_loopback",
     "ckpt_path_of",

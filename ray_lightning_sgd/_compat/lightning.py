@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
+from ray_lightning_sgd import _files
+
 #: Where each Lightning namespace keeps its (private) launcher interface.
 _LAUNCHER_MODULE = "{namespace}.strategies.launchers.launcher"
 
@@ -65,10 +67,17 @@ def continue_logger(logger: Any, version: Any, before_step: int) -> None:
 
     import fsspec
 
-    filesystem, path = fsspec.core.url_to_fs(f"{str(logger.log_dir).rstrip('/')}/metrics.csv")
-    if not filesystem.isfile(path):
+    uri = f"{str(logger.log_dir).rstrip('/')}/metrics.csv"
+    filesystem, path = fsspec.core.url_to_fs(uri)
+    # the rows wait under another name while Lightning's writer starts (it deletes the file it
+    # finds) and until the kept ones are in place: a kill at any moment leaves them in one of
+    # the two files, and the next attempt takes them from there
+    aside = f"{path.rpartition('/')[0]}/{METRICS_KEPT}"
+    if filesystem.isfile(path):
+        filesystem.mv(path, aside)
+    elif not filesystem.isfile(aside):
         return
-    with filesystem.open(path, "r", newline="") as file:
+    with filesystem.open(aside, "r", newline="") as file:
         reader = csv.DictReader(file)
         rows = list(reader)
         header = list(reader.fieldnames or [])
@@ -78,10 +87,14 @@ def continue_logger(logger: Any, version: Any, before_step: int) -> None:
     rows_writer = csv.DictWriter(out, fieldnames=header)
     rows_writer.writeheader()
     rows_writer.writerows(kept)
-    with filesystem.open(path, "w", newline="") as file:
-        file.write(out.getvalue())
+    _files.write_atomically(uri, out.getvalue())
+    filesystem.rm(aside)
     # the columns the file has: a later row with other keys rewrites it with all of them
     writer.metrics_keys = list(header)
+
+
+#: Where a CSV logger's rows wait while a restarted attempt continues its folder.
+METRICS_KEPT = ".metrics.csv.kept"
 
 
 def has_callback(trainer: Any, class_name: str) -> bool:

@@ -42,7 +42,7 @@ from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._executor.controller import Attempts, Regroup, RunController
 from ray_lightning_sgd._executor.executor import BackendExecutor
 from ray_lightning_sgd._serialization import unpack
-from ray_lightning_sgd._worker import artifacts
+from ray_lightning_sgd._worker import artifacts, scratch
 from ray_lightning_sgd._worker.entry import (
     FITTING,
     GlobalState,
@@ -109,10 +109,29 @@ class RayLauncherBase(_Base):
                     _check_storage(failure.checkpoint_storage, failure.run_name)
         cluster.connect()
         run_id = uuid.uuid4().hex[:12]
+        storage = _run_folder(failure.checkpoint_storage, run_id, failure.run_name)
+        with contextlib.ExitStack() as held:
+            if fitting and failure.run_name is not None and storage is not None:
+                # one driver at a time trains a named run: until this call ends
+                held.enter_context(runs.run_lock(storage, failure.run_name))
+            return self._launch(function, args, kwargs, trainer, run_id, storage, fitting, model)
+
+    def _launch(
+        self,
+        function: Callable,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        trainer: pl.Trainer | None,
+        run_id: str,
+        storage: str | None,
+        fitting: bool,
+        model: Any,
+    ) -> Any:
+        """Driver side: the launch after its checks (under a named run's lock)."""
+        strategy, failure = self._strategy, self._strategy.failure_config
         callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
         inbox = _inbox_for(trainer, callbacks, failure)
         attempt_numbers = itertools.count()
-        storage = _run_folder(failure.checkpoint_storage, run_id, failure.run_name)
         group_config = strategy.worker_group_config
         sizes = elastic.WorldSizes()
         growth = (
@@ -133,53 +152,53 @@ class RayLauncherBase(_Base):
                 )
         # after the checks that may refuse the call: nothing of it is left on the driver's disk
         mirror = artifacts.prepare(trainer) if trainer is not None else None
-        template = Payload(
-            trainer, function, args, kwargs, GlobalState.capture(), call_id=run_id,
-            forward_events=bool(callbacks),
-            report_progress=failure.progress_timeout_s is not None and trainer is not None,
-            resume_every_n_epochs=(
-                failure.checkpoint_every_n_epochs
-                if failure.writes_resume_checkpoints or group_config.elastic
-                else 0
-            ),
-            resume_on_preemption=failure.max_preemptions != 0,
-            resume_storage=storage, resume_keep_last=failure.keep_last,
-            resume_storage_kept=failure.run_name is not None, artifacts=mirror,
-            results_in_band=_compat.ray.driver_is_a_client(),
-            global_batch_workers=(
-                group_config.num_workers
-                if strategy.keep_global_batch_size and group_config.elastic
-                else 0
-            ),
-        )  # fmt: skip
-
-        def start(resume: ResumePoint | None) -> _Attempt:
-            call_id = f"{run_id}-{next(attempt_numbers)}"
-            attempt = self._start_attempt(template._replace(call_id=call_id, resume=resume))
-            if attempt.executor is not None:
-                size = len(attempt.executor.worker_group)
-                sizes.attempt(resume, size)
-                if growth is not None:
-                    growth.attach(size)
-            return attempt
-
-        def on_restart(err: WorkerDiedError | Regroup, failures: int, resume: Any) -> None:
-            _log_restart(err, failures, resume, failure, fitting)
-
-        controller = RunController(
-            Attempts(
-                start=start,
-                run=functools.partial(self._run_attempt, inbox=inbox, growth=growth),
-                stop=functools.partial(self._stop_attempt, inbox=inbox, growth=growth),
-                resume_point=lambda: (
-                    (inbox.resume or first) if fitting and inbox is not None else None
+        try:  # from here on, every path out removes the probe
+            template = Payload(
+                trainer, function, args, kwargs, GlobalState.capture(), call_id=run_id,
+                forward_events=bool(callbacks),
+                report_progress=failure.progress_timeout_s is not None and trainer is not None,
+                resume_every_n_epochs=(
+                    failure.checkpoint_every_n_epochs
+                    if failure.writes_resume_checkpoints or group_config.elastic
+                    else 0
                 ),
-            ),
-            max_failures=failure.max_failures,
-            on_restart=on_restart,
-            max_preemptions=failure.max_preemptions,
-        )
-        try:
+                resume_on_preemption=failure.max_preemptions != 0,
+                resume_storage=storage, resume_keep_last=failure.keep_last,
+                resume_storage_kept=failure.run_name is not None, artifacts=mirror,
+                results_in_band=_compat.ray.driver_is_a_client(),
+                global_batch_workers=(
+                    group_config.num_workers
+                    if strategy.keep_global_batch_size and group_config.elastic
+                    else 0
+                ),
+            )  # fmt: skip
+
+            def start(resume: ResumePoint | None) -> _Attempt:
+                call_id = f"{run_id}-{next(attempt_numbers)}"
+                attempt = self._start_attempt(template._replace(call_id=call_id, resume=resume))
+                if attempt.executor is not None:
+                    size = len(attempt.executor.worker_group)
+                    sizes.attempt(resume, size)
+                    if growth is not None:
+                        growth.attach(size)
+                return attempt
+
+            def on_restart(err: WorkerDiedError | Regroup, failures: int, resume: Any) -> None:
+                _log_restart(err, failures, resume, failure, fitting)
+
+            controller = RunController(
+                Attempts(
+                    start=start,
+                    run=functools.partial(self._run_attempt, inbox=inbox, growth=growth),
+                    stop=functools.partial(self._stop_attempt, inbox=inbox, growth=growth),
+                    resume_point=lambda: (
+                        (inbox.resume or first) if fitting and inbox is not None else None
+                    ),
+                ),
+                max_failures=failure.max_failures,
+                on_restart=on_restart,
+                max_preemptions=failure.max_preemptions,
+            )
             with _sigterm_raises(strategy.flavour.sigterm_exception):
                 outputs = controller.run(resume=first)
         except BaseException as err:
@@ -276,7 +295,12 @@ class RayLauncherBase(_Base):
                 # a worker that received SIGTERM is about to end: not one to keep warm
                 doomed = inbox is not None and bool(inbox.sigterm_ranks)
                 keep = succeeded and self._strategy.reuse_workers and not doomed
-                pool.release(executor, keep=keep, graceful=succeeded)
+                try:
+                    pool.release(executor, keep=keep, graceful=succeeded)
+                finally:
+                    # local copies of resume checkpoints that killed workers of this node left
+                    # (workers on other nodes sweep theirs at the next copy they make)
+                    scratch.sweep()
 
     def _start_executor(self) -> BackendExecutor:
         strategy = self._strategy

@@ -8,17 +8,26 @@ when the stored run trains something else.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
 from typing import Any
 
-from ray_lightning_sgd._worker.resume import ResumePoint, stored_points
+from ray_lightning_sgd import _files
+from ray_lightning_sgd._worker.resume import ResumePoint, fsspec_path, newest_complete_point
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 log = logging.getLogger(__name__)
 
 #: The file of a run's folder that says what the run trains.
 RUN_FILE = "run.json"
+#: The file of a run's folder that the driver running it holds locked.
+LOCK_FILE = ".driver.lock"
 
 
 def run_settings(strategy: Any, model: Any) -> dict[str, str]:
@@ -30,20 +39,57 @@ def run_settings(strategy: Any, model: Any) -> dict[str, str]:
     }
 
 
-def resume_named_run(folder: str, name: str, settings: dict[str, str]) -> ResumePoint | None:
-    """Driver side, before a named run's ``fit`` starts any worker: the run's latest resume
-    checkpoint (None for a new run, whose settings are written down now).
+@contextlib.contextmanager
+def run_lock(folder: str, name: str) -> Iterator[None]:
+    """Driver side: holds the named run's folder for one ``fit``, so that two drivers never
+    train (and delete the checkpoints of) the same run at once. The lock is the kernel's
+    (``flock``): it goes with its driver, however that ends, and never blocks for ever. On a
+    remote storage (an fsspec URI) no lock is taken.
 
     Raises:
-        ConfigurationError: The stored run trains another model or with another strategy.
+        ConfigurationError: Another driver holds the run now (named with its process and host).
     """
-    import fsspec
+    filesystem, path = fsspec_path(folder)
+    if not _files.is_local(filesystem):
+        yield
+        return
+    os.makedirs(path, exist_ok=True)
+    lock = os.path.join(path, LOCK_FILE)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another driver"
+            raise ConfigurationError(
+                f"run_name={name!r}: the run in {folder} is being trained by {holder}. Two "
+                "drivers cannot train one run at once; wait for that one to end (or stop it), "
+                "or pass another run_name"
+            ) from None
+        os.ftruncate(fd, 0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(
+            fd, f"process {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0
+        )
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
 
-    filesystem, path = fsspec.core.url_to_fs(folder)
+
+def resume_named_run(folder: str, name: str, settings: dict[str, str]) -> ResumePoint | None:
+    """Driver side, before a named run's ``fit`` starts any worker: the run's latest whole
+    resume checkpoint (None for a new run, whose settings are written down now). Newer ones
+    that are damaged (a write that stopped early) are passed over with a warning.
+
+    Raises:
+        ConfigurationError: The stored run trains another model or with another strategy; its
+            ``run.json`` is damaged; or every resume checkpoint it has is damaged.
+    """
+    filesystem, path = fsspec_path(folder)
     run_file = f"{path.rstrip('/')}/{RUN_FILE}"
+    _files.remove_leftovers(folder)  # what a driver or rank 0 killed while writing left
     if filesystem.exists(run_file):
-        with filesystem.open(run_file, "r") as file:
-            stored = json.load(file)
+        stored = _read_run_file(filesystem, run_file, name)
         differ = {k: (stored.get(k), v) for k, v in settings.items() if stored.get(k) != v}
         if differ:
             shown = "; ".join(
@@ -55,12 +101,16 @@ def resume_named_run(folder: str, name: str, settings: dict[str, str]) -> Resume
             )
     else:
         filesystem.makedirs(path, exist_ok=True)
-        with filesystem.open(run_file, "w") as file:
-            json.dump(settings, file)
-    points = stored_points(folder)
-    if not points:
+        _files.write_atomically(f"{folder.rstrip('/')}/{RUN_FILE}", json.dumps(settings))
+    point, damaged = newest_complete_point(folder)
+    if point is None:
+        if damaged:
+            raise ConfigurationError(
+                f"run_name={name!r}: every resume checkpoint of the run in {folder} is damaged "
+                f"({'; '.join(damaged)}). Delete those files to start the run over, or pass "
+                "another run_name"
+            )
         return None
-    point = points[-1]
     log.info(
         "Run %r resumes from its resume checkpoint of epoch %d (global step %d): %s",
         name,
@@ -69,3 +119,25 @@ def resume_named_run(folder: str, name: str, settings: dict[str, str]) -> Resume
         point.uri,
     )
     return point
+
+
+def _read_run_file(filesystem: Any, run_file: str, name: str) -> dict[str, Any]:
+    """The settings a run's ``run.json`` holds.
+
+    Raises:
+        ConfigurationError: The file is damaged (not a JSON object).
+    """
+    try:
+        with filesystem.open(run_file, "r") as file:
+            stored = json.load(file)
+    except (ValueError, UnicodeDecodeError) as err:
+        stored, problem = None, f"{type(err).__name__}: {err}"
+    else:
+        problem = f"holds {type(stored).__name__}, not an object"
+    if not isinstance(stored, dict):
+        raise ConfigurationError(
+            f"run_name={name!r}: the run's {run_file} is damaged ({problem}); it says what the "
+            "run trains. Delete it to let this driver write it anew (the run's resume "
+            "checkpoints stay, and it resumes from them), or pass another run_name"
+        )
+    return stored

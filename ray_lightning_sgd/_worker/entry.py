@@ -44,8 +44,10 @@ from ray_lightning_sgd._worker.resume import (
     BatchStartBase,
     ResumeCheckpointBase,
     ResumePoint,
+    forget,
     logger_versions,
     materialise,
+    resolve,
 )
 from ray_lightning_sgd._worker_group.context import get_worker_context
 from ray_lightning_sgd._worker_group.outbox import get_outbox
@@ -305,12 +307,11 @@ def _run_payload(payload: Payload) -> WorkerOutput:
             # first: a fit stopped at a batch's start stops before the others' hooks for it
             first.append(_callback_class(flavour, BatchStartBase)(resume_callback))
         if fitting and payload.resume is not None:
-            resume_file = materialise(payload.resume)
+            resume = resolve(payload.resume)  # the point, or an older one if its file is gone
+            resume_file = materialise(resume)
             if global_rank == 0:  # the only rank whose loggers write: one folder a run
-                for logger, version in zip(
-                    trainer.loggers, payload.resume.logger_versions, strict=False
-                ):
-                    _compat.continue_logger(logger, version, payload.resume.logged_step)
+                for logger, version in zip(trainer.loggers, resume.logger_versions, strict=False):
+                    _compat.continue_logger(logger, version, resume.logged_step)
             args, kwargs = _compat.with_ckpt_path(payload.function, args, kwargs, resume_file)
         callbacks_of(trainer).extend(ours)
         callbacks_of(trainer)[:0] = first
@@ -334,9 +335,8 @@ def _run_payload(payload: Payload) -> WorkerOutput:
         raise
     finally:
         close_channel()
-        if resume_file is not None and payload.resume and payload.resume.uri is None:
-            with contextlib.suppress(FileNotFoundError):  # another worker of the node's copy
-                os.unlink(resume_file)
+        if resume_file is not None and payload.resume is not None:
+            forget(payload.resume, resume_file)  # a killed worker's copy: see scratch.sweep
     if trainer is None:
         return WorkerOutput(results, None, None)
     for callback in ours:

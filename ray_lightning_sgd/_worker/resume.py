@@ -14,20 +14,22 @@ end).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
-import tempfile
 import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from ray_lightning_sgd import _files
 from ray_lightning_sgd._compat import has_callback, logged_step
+from ray_lightning_sgd._worker import scratch
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 from ray_lightning_sgd._worker_group.worker import preemption
-from ray_lightning_sgd.exceptions import WorkerDiedError
+from ray_lightning_sgd.exceptions import RaySGDError, WorkerDiedError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -263,34 +265,50 @@ class ResumeCheckpointBase:
         self._save(trainer)
 
     def _save(self, trainer: pl.Trainer) -> ResumePoint:
-        """Every rank: saves a resume checkpoint now; rank 0 hands it to the driver."""
+        """Every rank: saves a resume checkpoint now; rank 0 hands it to the driver.
+
+        In a storage, rank 0 writes it under a temporary name of the folder and renames it into
+        place once complete, and deletes older checkpoints only after the driver holds this one:
+        whenever rank 0 dies, the folder's newest complete checkpoint, or the one the driver
+        holds, is there.
+        """
         # a sharded strategy saves this checkpoint whole (see RayStrategyBase.resume_checkpoints)
         whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
+        rank_zero = trainer.global_rank == 0
         if self._storage is not None:
+            folder = self._storage.rstrip("/")
             name = checkpoint_name(trainer.current_epoch, trainer.global_step)
-            uri = f"{self._storage.rstrip('/')}/{name}"
-            with whole:
-                trainer.save_checkpoint(uri)
-            if trainer.global_rank == 0:
-                _delete_all_but_last(self._storage, self._keep_last)
+            uri, temp = f"{folder}/{name}", f"{folder}/{_files.temp_name(name, unique=False)}"
+            if rank_zero:
+                _files.remove_leftovers(folder, starting=".resume-")  # of a killed writer
+            try:
+                with whole:
+                    trainer.save_checkpoint(temp)
+                if rank_zero:
+                    filesystem, path = fsspec_path(temp)
+                    _files.publish(filesystem, path, fsspec_path(uri)[1])
+            except BaseException:
+                if rank_zero:  # a full disk: no part of it stays
+                    _files.remove_leftovers(folder, starting=".resume-")
+                raise
             data = None
         else:
             uri = None
-            fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".ckpt")
-            os.close(fd)
+            scratch.sweep()  # what killed workers of this node left
+            path = scratch.create(".ckpt")
             try:
                 with whole:
                     trainer.save_checkpoint(path)
-                data = _read(path) if trainer.global_rank == 0 else None
+                data = _read(path) if rank_zero else None
             finally:
-                os.unlink(path)
+                scratch.release(path)
         point = ResumePoint(
             trainer.current_epoch, trainer.global_step, data=data, uri=uri,
-            logger_versions=tuple(logger_versions(trainer)) if trainer.global_rank == 0 else (),
+            logger_versions=tuple(logger_versions(trainer)) if rank_zero else (),
             logged_step=logged_step(trainer),
             batches=None if self._saving is None else self._saving[0],
         )  # fmt: skip
-        if trainer.global_rank == 0:
+        if rank_zero:
             # the checkpoint is safe in the driver before training goes on
             outbox = get_outbox()
             sequence = outbox.put_latest(RESUME, point)
@@ -301,6 +319,9 @@ class ResumeCheckpointBase:
                     point.epoch,
                     _DELIVERY_WAIT_S,
                 )
+            elif self._storage is not None:
+                # only now: until the driver holds this one, it may restart from an older one
+                _delete_older(self._storage, point, self._keep_last)
         return point
 
 
@@ -449,11 +470,18 @@ def checkpoint_name(epoch: int, global_step: int) -> str:
     return f"resume-epoch={epoch}-step={global_step}.ckpt"
 
 
-def stored_points(storage: str) -> list[ResumePoint]:
-    """The resume checkpoints in a storage folder (a path or fsspec URI), oldest first."""
+def fsspec_path(uri: str) -> tuple[Any, str]:
+    """The fsspec file system of a path or URI, and the path on it."""
     import fsspec
 
-    filesystem, path = fsspec.core.url_to_fs(storage)
+    filesystem, path = fsspec.core.url_to_fs(uri)
+    return filesystem, str(path)
+
+
+def stored_points(storage: str) -> list[ResumePoint]:
+    """The resume checkpoints in a storage folder (a path or fsspec URI), oldest first; neither
+    checked (see :func:`newest_complete_point`) nor temporary files."""
+    filesystem, path = fsspec_path(storage)
     if not filesystem.exists(path):
         return []
     points = []
@@ -466,16 +494,68 @@ def stored_points(storage: str) -> list[ResumePoint]:
     return sorted(points, key=lambda point: (point.epoch, point.global_step))
 
 
-def _delete_all_but_last(storage: str, keep_last: int) -> None:
-    """Runs on rank 0. Deletes the storage's resume checkpoints older than the last ``keep_last``."""
-    import fsspec
+#: How a zip archive (torch.save's format) starts.
+_ZIP_MAGIC = b"PK\x03\x04"
 
-    for point in stored_points(storage)[:-keep_last]:
+
+def checkpoint_problem(uri: str) -> str | None:
+    """What is wrong with the checkpoint file at ``uri`` (None: it is whole, as far as can be
+    told without loading it): missing, empty, or a zip archive (torch.save's format) without a
+    whole central directory, as a write that stopped early leaves it. Reads the archive's
+    directory only (under 1 ms for a checkpoint of any size on a local disk); a file in another
+    format (another CheckpointIO's) is taken as it is."""
+    import zipfile
+
+    filesystem, path = fsspec_path(uri)
+    try:
+        if not filesystem.isfile(path):
+            return "is missing"
+        size = int(filesystem.size(path))
+        if size == 0:
+            return "is empty"
+        with filesystem.open(path, "rb") as file:
+            if file.read(4) != _ZIP_MAGIC:
+                return None
+            file.seek(0)
+            with zipfile.ZipFile(file) as archive:
+                entries = archive.infolist()
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as err:
+        return f"is damaged ({err})"
+    if not any(entry.filename.endswith("data.pkl") for entry in entries):
+        return "is damaged (no data.pkl in the archive)"
+    if any(entry.header_offset + entry.compress_size > size for entry in entries):
+        return "is damaged (truncated)"
+    return None
+
+
+def newest_complete_point(storage: str) -> tuple[ResumePoint | None, list[str]]:
+    """The newest whole resume checkpoint in a storage folder, and the damaged ones newer than
+    it ("<uri> <what is wrong>"), each named in a warning."""
+    damaged: list[str] = []
+    for point in reversed(stored_points(storage)):
+        problem = checkpoint_problem(str(point.uri))
+        if problem is None:
+            return point, damaged
+        damaged.append(f"{point.uri} {problem}")
+        log.warning("The resume checkpoint %s %s: passed over for an older one", point.uri, problem)
+    return None, damaged
+
+
+def _delete_older(storage: str, point: ResumePoint, keep_last: int) -> None:
+    """Runs on rank 0, once the driver holds ``point``. Deletes the storage's resume checkpoints
+    older than ``point`` but the newest ``keep_last - 1`` (newer ones, of an attempt that died,
+    stay: they are whole checkpoints of the same run)."""
+    older = [
+        p
+        for p in stored_points(storage)
+        if (p.epoch, p.global_step) < (point.epoch, point.global_step)
+    ]
+    for old in older[: max(0, len(older) - (keep_last - 1))]:
         try:
-            filesystem, path = fsspec.core.url_to_fs(str(point.uri))
+            filesystem, path = fsspec_path(str(old.uri))
             filesystem.rm(path, recursive=True)  # a sharded checkpoint may be a folder
         except Exception as err:  # noqa: BLE001 - a stale checkpoint is no reason to stop training
-            log.warning("Could not delete the old resume checkpoint %s: %s", point.uri, err)
+            log.warning("Could not delete the old resume checkpoint %s: %s", old.uri, err)
 
 
 def logger_versions(trainer: pl.Trainer) -> list[Any]:
@@ -488,16 +568,57 @@ def _read(path: str) -> bytes:
         return file.read()
 
 
+def resolve(point: ResumePoint) -> ResumePoint:
+    """Runs on each worker of a restarted attempt. ``point``, or where its file is missing or
+    damaged (its writer died, or it was deleted), the newest whole checkpoint of its folder,
+    with a warning naming the file passed over; every rank finds the same one.
+
+    Raises:
+        RaySGDError: No whole checkpoint is left in the folder.
+    """
+    if point.uri is None:
+        return point
+    problem = checkpoint_problem(point.uri)
+    if problem is None:
+        return point
+    folder = point.uri.rsplit("/", 1)[0]
+    found, _ = newest_complete_point(folder)
+    if found is None:
+        raise RaySGDError(
+            f"The resume checkpoint {point.uri} {problem}, and {folder} holds no other whole "
+            "resume checkpoint: the fit cannot resume. Remove the damaged files there (or pass "
+            "another run_name) and fit again to start over"
+        )
+    log.warning(
+        "The resume checkpoint %s %s: the fit resumes from %s instead",
+        point.uri,
+        problem,
+        found.uri,
+    )
+    # the loggers keep the rows before the older point's step (one optimizer: its global step)
+    return dataclasses.replace(
+        point, epoch=found.epoch, global_step=found.global_step, uri=found.uri, batches=None,
+        logged_step=min(point.logged_step, found.global_step),
+    )  # fmt: skip
+
+
 def materialise(point: ResumePoint) -> str:
-    """Runs on each worker. Returns a path Lightning can resume from (a local copy of the bytes)."""
+    """Runs on each worker. Returns a path Lightning can resume from: the point's URI, or a
+    local copy of its bytes, held by this process (see :mod:`.scratch`) until :func:`forget`."""
     if point.uri is not None:
         return point.uri
     if point.data is None:
         raise ValueError("a resume point holds either a uri or the checkpoint's bytes")
-    path = os.path.join(tempfile.gettempdir(), f"ray_lightning_sgd-resume-{point.name}.ckpt")
-    # the workers of a node write the same bytes to the same path: each whole, then in place
-    fd, partial = tempfile.mkstemp(prefix="ray_lightning_sgd-resume-", suffix=".part")
-    with os.fdopen(fd, "wb") as file:
-        file.write(point.data)
-    os.replace(partial, path)
+    # the workers of a node share one copy at one path: a sharded strategy loads the path that
+    # rank 0 gives the others
+    path = os.path.join(scratch.folder(), f"{scratch.PREFIX}{point.name}.ckpt")
+    scratch.sweep()  # what killed workers of this node left
+    scratch.hold_copy(path, point.data)
     return path
+
+
+def forget(point: ResumePoint, path: str) -> None:
+    """Runs on each worker after the call: its local copy of ``point`` goes (the last process
+    of the node that held it removes it)."""
+    if point.uri is None:
+        scratch.release(path)

@@ -1,0 +1,107 @@
+"""Files that a later run reads, written whole or not at all: each goes to a temporary name in
+its own folder and is renamed into place once complete (a rename within a folder is atomic on
+local and most shared file systems; on object stores, fsspec's ``mv`` is a copy, then a delete).
+
+A temporary name starts with a dot and ends with :data:`TEMP_SUFFIX`: no pattern of ours matches
+it, and :func:`remove_leftovers` finds what a killed writer left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: How every temporary name of ours ends.
+TEMP_SUFFIX = ".writing"
+
+
+def temp_name(name: str, unique: bool = True) -> str:
+    """A temporary name for ``name`` in the same folder (the same on every call when not
+    ``unique``: for a file whose writer is known to be alone)."""
+    tag = f".{uuid.uuid4().hex[:8]}" if unique else ""
+    return f".{name}{tag}{TEMP_SUFFIX}"
+
+
+def is_local(filesystem: Any) -> bool:
+    """Whether an fsspec file system is the local one (where ``os`` calls apply)."""
+    protocol = filesystem.protocol
+    return "file" in (protocol if isinstance(protocol, tuple | list) else (protocol,))
+
+
+def publish(filesystem: Any, temp_path: str, final_path: str) -> None:
+    """Renames a complete temporary file into place (paths of an fsspec file system), durably:
+    on a local file system the file and then its folder are synced, so that after a crash the
+    name holds the whole file."""
+    if not is_local(filesystem):
+        filesystem.mv(temp_path, final_path)
+        return
+    fd = os.open(temp_path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temp_path, final_path)
+    _sync_folder(os.path.dirname(final_path) or ".")
+
+
+def _sync_folder(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # a folder that cannot be opened (some platforms): the rename stands as it is
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(uri: str, data: str | bytes) -> None:
+    """Writes ``data`` to ``uri`` (a path or fsspec URI) whole or not at all; a failed write
+    (a full disk) leaves the file as it was and no temporary file."""
+    import fsspec
+
+    filesystem, path = fsspec.core.url_to_fs(uri)
+    folder, _, name = path.rstrip("/").rpartition("/")
+    temp = f"{folder}/{temp_name(name)}" if folder else temp_name(name)
+    mode = "wb" if isinstance(data, bytes) else "w"
+    try:
+        with filesystem.open(temp, mode, **({} if mode == "wb" else {"newline": ""})) as file:
+            file.write(data)
+        publish(filesystem, temp, path)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if filesystem.exists(temp):
+                filesystem.rm(temp)
+        raise
+
+
+def remove_leftovers(folder: str, starting: str = ".") -> list[str]:
+    """Removes the temporary files that killed writers left in ``folder`` (names that start
+    with ``starting`` and end with :data:`TEMP_SUFFIX`); returns their paths. Call it only
+    where no other writer of the folder runs."""
+    import fsspec
+
+    filesystem, path = fsspec.core.url_to_fs(folder)
+    removed: list[str] = []
+    try:
+        entries = filesystem.ls(path, detail=False) if filesystem.exists(path) else []
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(starting) and name.endswith(TEMP_SUFFIX):
+            try:
+                filesystem.rm(str(entry))
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                log.warning("Could not remove the unfinished file %s: %s", entry, err)
+                continue
+            removed.append(str(entry))
+    return removed

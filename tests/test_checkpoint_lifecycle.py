@@ -1,0 +1,399 @@
+"""Nothing lost, whatever fails: a resume checkpoint's life (write, rename, deliver, delete the
+older ones, copy on a worker's node) and a named run's run.json, each cut at its step by a
+kill or a full disk; what is left always resumes, and no temporary file stays.
+
+Most steps are tested as logic over a real file system (a small tmpfs for a full disk) with a
+fake Trainer and outbox; two fits check the same on real workers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.cloud_io import _atomic_save
+
+from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, WorkerDiedError, _files
+from ray_lightning_sgd._driver import runs
+from ray_lightning_sgd._worker import resume, scratch
+from ray_lightning_sgd._worker.resume import (
+    ResumeCheckpointBase,
+    ResumePoint,
+    checkpoint_name,
+    newest_complete_point,
+)
+from ray_lightning_sgd.exceptions import RaySGDError
+from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _temp_files() -> set[str]:
+    return {name for name in os.listdir(tempfile.gettempdir()) if not name.startswith("pytest")}
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 2 MiB file system of its own: a disk that fills."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+class _Killed(BaseException):
+    """Stands for the process's end at that step (nothing after it runs)."""
+
+
+class _Outbox:
+    """The worker's outbox as rank 0 sees it: the driver takes each point, or does not in time,
+    or rank 0 dies while it waits."""
+
+    def __init__(self, delivered: bool | None = True) -> None:
+        self.delivered = delivered  # None: killed while waiting
+        self.points: list[ResumePoint] = []
+
+    def put_latest(self, channel: str, point: ResumePoint) -> int:
+        self.points.append(point)
+        return len(self.points)
+
+    def wait_delivered(self, channel: str, sequence: int, timeout_s: float) -> bool:
+        if self.delivered is None:
+            raise _Killed
+        return self.delivered
+
+
+def _trainer(epoch: int, size: int = 1000) -> SimpleNamespace:
+    """What ResumeCheckpointBase reads of a Trainer; saves as Lightning does (torch.save to a
+    buffer, then a copy through fsspec)."""
+    step = 6 * (epoch + 1)
+
+    def save_checkpoint(path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's CheckpointIO does
+        _atomic_save({"epoch": epoch, "w": torch.full((size,), float(epoch))}, path)
+
+    return SimpleNamespace(
+        current_epoch=epoch, global_step=step, global_rank=0, loggers=[],
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=step)),
+        strategy=SimpleNamespace(resume_checkpoints=contextlib.nullcontext),
+        save_checkpoint=save_checkpoint,
+    )  # fmt: skip
+
+
+def _save(storage: Path, epoch: int, outbox: _Outbox, keep_last: int = 1, size: int = 1000):
+    callback = ResumeCheckpointBase(1, str(storage), keep_last=keep_last, keep_folder=True)
+    return callback._save(_trainer(epoch, size))  # type: ignore[arg-type]
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir())
+
+
+def test_a_full_disk_while_writing_keeps_the_last_whole_checkpoint(tmpfs, monkeypatch):
+    before = _temp_files()
+    outbox = _Outbox()
+    monkeypatch.setattr(resume, "get_outbox", lambda: outbox)
+    storage = tmpfs / "run"
+    _save(storage, 0, outbox, size=200_000)  # 0.8 MB
+    _files.write_atomically(str(storage / "run.json"), json.dumps({"model": "m"}))
+    # epoch 1's checkpoint does not fit: the write fails, leaving no part of it
+    with pytest.raises(OSError, match="No space left"):
+        _save(storage, 1, outbox, size=400_000)
+    assert _names(storage) == ["resume-epoch=0-step=6.ckpt", "run.json"]
+    # nor does a new run.json: the old one stays whole
+    with pytest.raises(OSError, match="No space left"):
+        _files.write_atomically(str(storage / "run.json"), "x" * 3_000_000)
+    assert _names(storage) == ["resume-epoch=0-step=6.ckpt", "run.json"]
+    assert json.loads((storage / "run.json").read_text()) == {"model": "m"}
+    point = runs.resume_named_run(str(storage), "run", {"model": "m"})
+    assert point is not None and point.epoch == 0
+    assert torch.load(str(point.uri))["epoch"] == 0
+    # a local copy of a checkpoint too big for the node's temporary folder leaves no part
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpfs))
+    with pytest.raises(OSError, match="No space left"):
+        resume.materialise(ResumePoint(1, 12, data=b"x" * 3_000_000))
+    assert [n for n in os.listdir(tmpfs) if n.startswith(scratch.PREFIX)] == []
+    monkeypatch.undo()
+    assert _temp_files() == before
+
+
+def test_a_checkpoint_cut_short_is_passed_over_with_a_warning(tmp_path, caplog):
+    storage = tmp_path / "run"
+    storage.mkdir()
+    whole = storage / checkpoint_name(0, 6)
+    torch.save({"w": torch.ones(1000)}, whole)
+    cut = storage / checkpoint_name(1, 12)
+    cut.write_bytes(whole.read_bytes()[:2000])  # a copy that stopped early (a full disk)
+    (storage / checkpoint_name(2, 18)).write_bytes(b"")  # a file made, never written
+    leftover = storage / _files.temp_name(checkpoint_name(3, 24), unique=False)
+    leftover.write_bytes(b"PK")  # what a writer killed before its rename left
+    assert [p.epoch for p in resume.stored_points(str(storage))] == [0, 1, 2]
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        point = runs.resume_named_run(str(storage), "run", {"model": "m"})
+    assert point is not None and point.uri == str(whole)
+    assert f"{cut} is damaged" in caplog.text and "is empty" in caplog.text
+    assert not leftover.exists(), "the killed writer's temporary file stayed"
+    # a restart whose point's file is damaged or gone resumes from the newest whole one
+    held = ResumePoint(2, 18, uri=str(storage / checkpoint_name(2, 18)), logged_step=18)
+    fallback = resume.resolve(held)
+    assert (fallback.epoch, fallback.uri, fallback.logged_step) == (0, str(whole), 6)
+    gone = ResumePoint(5, 36, uri=str(storage / checkpoint_name(5, 36)))
+    assert resume.resolve(gone).uri == str(whole)
+    # none whole: the error says which files to delete
+    whole.unlink()
+    with pytest.raises(ConfigurationError, match=r"every resume checkpoint .* is damaged .*Delete"):
+        runs.resume_named_run(str(storage), "run", {"model": "m"})
+    with pytest.raises(RaySGDError, match="holds no other whole resume checkpoint"):
+        resume.resolve(held)
+    # a zip archive (torch's format) read in under a millisecond, whatever its size
+    big = tmp_path / "big.ckpt"
+    torch.save({"w": torch.zeros(25_000_000)}, big)  # 100 MB
+    started = time.perf_counter()
+    assert resume.checkpoint_problem(str(big)) is None
+    assert time.perf_counter() - started < 0.05
+
+
+@pytest.mark.parametrize("delivered", [True, False, None])
+def test_older_checkpoints_go_only_once_the_driver_holds_the_new_one(
+    tmp_path, monkeypatch, delivered
+):
+    """keep_last=1. Delivered: the older one goes. Not delivered in time: it stays until the next
+    checkpoint is delivered. Rank 0 killed while it waits: both stay; the restart from what the
+    driver holds (the older one) finds it, and a new driver resumes from the newer one."""
+    storage = tmp_path / "run"
+    outbox = _Outbox()
+    monkeypatch.setattr(resume, "get_outbox", lambda: outbox)
+    held = _save(storage, 0, outbox)
+    outbox.delivered = delivered
+    with contextlib.nullcontext() if delivered is not None else pytest.raises(_Killed):
+        _save(storage, 1, outbox)
+    newest = ["resume-epoch=1-step=12.ckpt"]
+    assert _names(storage) == (newest if delivered else ["resume-epoch=0-step=6.ckpt", *newest])
+    if not delivered:
+        assert resume.resolve(held) == held
+    point, damaged = newest_complete_point(str(storage))
+    assert point is not None and (point.epoch, damaged) == (1, [])
+    # a later attempt's older checkpoint never deletes the newer one a dead attempt left
+    outbox.delivered = True
+    _save(storage, 0, outbox)
+    assert "resume-epoch=1-step=12.ckpt" in _names(storage)
+
+
+KEEPS_A_COPY = textwrap.dedent(
+    """
+    import sys, time
+    from ray_lightning_sgd._worker import scratch
+    scratch.hold_copy(sys.argv[1], b"checkpoint")
+    print("held", flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def test_a_copy_goes_once_no_process_holds_it_even_after_sigkill(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = str(tmp_path / f"{scratch.PREFIX}abc.ckpt")
+    holders = [
+        subprocess.Popen(
+            [sys.executable, "-c", KEEPS_A_COPY, path],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+        )
+        for _ in range(2)
+    ]
+    try:
+        for holder in holders:
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert scratch.sweep() == [] and Path(path).read_bytes() == b"checkpoint"
+        holders[0].send_signal(signal.SIGKILL)
+        holders[0].wait()
+        assert scratch.sweep() == [], "a copy another process holds was removed"
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    assert scratch.sweep() == [path]
+    assert os.listdir(tmp_path) == []
+
+
+def test_run_json_damaged_is_named_with_the_fix(tmp_path):
+    storage = tmp_path / "run"
+    storage.mkdir()
+    (storage / "run.json").write_text("")  # a driver killed in the old in-place write
+    with pytest.raises(ConfigurationError, match=r"run.json is damaged .*Delete it"):
+        runs.resume_named_run(str(storage), "run", {"model": "m"})
+    (storage / "run.json").write_text("[1]")
+    with pytest.raises(ConfigurationError, match="holds list, not an object"):
+        runs.resume_named_run(str(storage), "run", {"model": "m"})
+
+
+HOLDS_THE_RUN = textwrap.dedent(
+    """
+    import sys, time
+    from ray_lightning_sgd._driver import runs
+    with runs.run_lock(sys.argv[1], "run"):
+        print("held", flush=True)
+        time.sleep(300)
+    """
+)
+
+
+def test_one_driver_at_a_time_trains_a_named_run(tmp_path):
+    folder = str(tmp_path / "run")
+    other = subprocess.Popen(
+        [sys.executable, "-c", HOLDS_THE_RUN, folder], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        assert other.stdout is not None and other.stdout.readline() == "held\n"
+        with (
+            pytest.raises(ConfigurationError, match=rf"trained by process {other.pid} on "),
+            runs.run_lock(folder, "run"),
+        ):
+            pass
+    finally:
+        other.send_signal(signal.SIGKILL)  # a driver that dies holds nothing
+        other.wait()
+    with runs.run_lock(folder, "run"):
+        pass
+
+
+def test_continue_logger_on_a_full_disk_keeps_the_rows(tmpfs):
+    from pytorch_lightning.loggers import CSVLogger
+
+    from ray_lightning_sgd import _compat
+
+    logger = CSVLogger(tmpfs, name="logs", version=0)
+    os.makedirs(logger.log_dir)
+    metrics = Path(logger.log_dir) / "metrics.csv"
+    rows = "".join(f"{step},0.5\n" for step in range(40_000))
+    metrics.write_text("step,loss\n" + rows)
+    filler = tmpfs / "filler"
+    with contextlib.suppress(OSError), open(filler, "wb") as file:
+        while True:
+            file.write(b"x" * 4096)
+    kept = metrics.read_text()
+    with pytest.raises(OSError, match="No space left"):
+        _compat.continue_logger(logger, 0, before_step=30_000)
+    # the rows wait under another name, which the next attempt's logger takes them from
+    assert sorted(os.listdir(logger.log_dir)) == [_compat.METRICS_KEPT]
+    assert (Path(logger.log_dir) / _compat.METRICS_KEPT).read_text() == kept
+    filler.unlink()
+    again = CSVLogger(tmpfs, name="logs", version=0)
+    _compat.continue_logger(again, 0, before_step=30_000)
+    assert sorted(os.listdir(logger.log_dir)) == ["metrics.csv"]
+    assert metrics.read_text().splitlines() == kept.splitlines()[:30_001]
+
+
+def test_the_artifacts_probe_goes_when_the_launch_fails_before_it_runs(
+    ray_cluster, tmp_path, monkeypatch
+):
+    from ray_lightning_sgd._driver import launcher
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(launcher, "RunController", refuse)
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=1), default_root_dir=tmp_path, max_epochs=1,
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="refused"):
+        trainer.fit(TinyModel(), loader())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".ray")] == []
+
+
+class _Dies(TinyModel):
+    """Rank 1 exits at each global step of ``steps`` once (a marker file per step)."""
+
+    def __init__(self, steps: tuple[int, ...], folder: str) -> None:
+        super().__init__()
+        self.steps, self.folder = steps, folder
+
+    def training_step(self, batch, batch_idx):
+        marker = os.path.join(self.folder, f"died-at-{self.global_step}")
+        if self.global_rank == 1 and self.global_step in self.steps and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(3)
+        return super().training_step(batch, batch_idx)
+
+
+def _fit(model, strategy, max_epochs=2):
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        strategy=strategy, max_epochs=max_epochs, enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    trainer.fit(model, loader(shuffle=True))
+    return trainer
+
+
+def test_a_restarted_attempt_killed_leaves_no_copy_of_its_checkpoint(ray_cluster, tmp_path):
+    """The restarted attempt's workers are killed (rank 1 exits, rank 0 is killed by the
+    driver): their local copies of the resume checkpoint go all the same."""
+    before = _temp_files()
+    model = _Dies((8, 10), str(tmp_path))  # in epoch 1 of the first attempt, then the second's
+    with pytest.raises(WorkerDiedError):
+        _fit(model, RaySGDStrategy(num_workers=2, max_failures=1))
+    assert (tmp_path / "died-at-10").exists(), "the restarted attempt did not run"
+    assert _temp_files() == before
+
+
+def test_a_named_run_resumes_past_a_damaged_checkpoint_as_if_never_stopped(
+    ray_cluster, tmp_path, caplog
+):
+    before = _temp_files()
+    pl.seed_everything(0)
+    reference = TinyModel()
+    _fit(reference, RaySGDStrategy(num_workers=2), max_epochs=2)
+
+    storage = tmp_path / "runs"
+
+    def strategy() -> RaySGDStrategy:
+        return RaySGDStrategy(num_workers=2, checkpoint_storage=str(storage), run_name="r")
+
+    pl.seed_everything(0)
+    _fit(TinyModel(), strategy(), max_epochs=1)  # leaves epoch 0's checkpoint
+    folder = storage / "r"
+    epoch_0 = folder / checkpoint_name(0, 6)
+    damaged = folder / checkpoint_name(1, 12)
+    damaged.write_bytes(epoch_0.read_bytes()[:-100])  # epoch 1's, cut short by a full disk
+    shutil.copy(epoch_0, folder / _files.temp_name(checkpoint_name(1, 12), unique=False))
+    pl.seed_everything(0)
+    model = TinyModel()
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        trainer = _fit(model, strategy(), max_epochs=2)
+    assert f"{damaged} is damaged" in caplog.text
+    assert trainer.global_step == 12
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-6, rtol=0)
+    # the damaged file was overwritten by the resumed epoch 1's; no temporary file stays
+    assert _names(folder) == [
+        ".driver.lock",
+        checkpoint_name(0, 6),
+        checkpoint_name(1, 12),
+        "run.json",
+    ]
+    assert resume.checkpoint_problem(str(damaged)) is None
+    assert _temp_files() == before
