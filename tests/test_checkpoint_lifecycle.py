@@ -134,7 +134,7 @@ def test_a_full_disk_while_writing_keeps_the_last_whole_checkpoint(tmpfs, monkey
         resume.materialise(ResumePoint(1, 12, data=b"x" * 3_000_000))
     assert [n for n in os.listdir(tmpfs) if n.startswith(scratch.PREFIX)] == []
     monkeypatch.undo()
-    assert _temp_files() == before
+    assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
 
 
 def test_a_checkpoint_cut_short_is_passed_over_with_a_warning(tmp_path, caplog):
@@ -357,7 +357,7 @@ def test_a_restarted_attempt_killed_leaves_no_copy_of_its_checkpoint(ray_cluster
     with pytest.raises(WorkerDiedError):
         _fit(model, RaySGDStrategy(num_workers=2, max_failures=1))
     assert (tmp_path / "died-at-10").exists(), "the restarted attempt did not run"
-    assert _temp_files() == before
+    assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
 
 
 def test_a_named_run_resumes_past_a_damaged_checkpoint_as_if_never_stopped(
@@ -396,4 +396,4 @@ def test_a_named_run_resumes_past_a_damaged_checkpoint_as_if_never_stopped(
         "run.json",
     ]
     assert resume.checkpoint_problem(str(damaged)) is None
-    assert _temp_files() == before
+    assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
