@@ -9,6 +9,7 @@ from __future__ import annotations
 from ray_lightning_sgd._compat import ray, torch
 from ray_lightning_sgd._compat.lightning import (
     ConfigureLauncher,
+    checkpoint_selection,
     ckpt_path_of,
     committed_metrics,
     continue_logger,
@@ -17,7 +18,10 @@ from ray_lightning_sgd._compat.lightning import (
     launcher_interface,
     logged_step,
     mark_loop_finished,
+    profiler_state,
+    set_checkpoint_selection,
     set_logger_version,
+    set_profiler_state,
     should_check_val_epoch,
     trainer_arguments_being_parsed,
     tuner_exit_exception,
@@ -30,6 +34,7 @@ from ray_lightning_sgd._compat.ray import bind_local_ray_to_loopback
 __all__ = [
     "ConfigureLauncher",
     "bind_local_ray_to_loopback",
+    "checkpoint_selection",
     "ckpt_path_of",
     "committed_metrics",
     "continue_logger",
@@ -38,8 +43,11 @@ __all__ = [
     "launcher_interface",
     "logged_step",
     "mark_loop_finished",
+    "profiler_state",
     "ray",
+    "set_checkpoint_selection",
     "set_logger_version",
+    "set_profiler_state",
     "should_check_val_epoch",
     "torch",
     "trainer_arguments_being_parsed",
