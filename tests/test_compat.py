@@ -146,6 +146,41 @@ def test_lightning_fit_impl_takes_ckpt_path(namespace):
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_keeps_whether_the_user_chose_ckpt_path(namespace):
+    trainer = importlib.import_module(namespace).Trainer(logger=False, enable_progress_bar=False)
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    assert connector is not None and hasattr(connector, "_user_managed"), (
+        f"{namespace}.Trainer._checkpoint_connector._user_managed moved; update "
+        "_compat.checkpoint_selection and set_checkpoint_selection"
+    )
+    assert _compat.checkpoint_selection(trainer) == (None, False)
+    trainer.ckpt_path = "/chosen.ckpt"
+    assert _compat.checkpoint_selection(trainer) == ("/chosen.ckpt", True)
+    # a path a call restored (rank 0's) is not the user's choice: the next call does not reuse it
+    _compat.set_checkpoint_selection(trainer, ("/restored.ckpt", False))
+    assert trainer.ckpt_path == "/restored.ckpt" and connector._user_managed is False
+    assert _compat.checkpoint_selection(trainer) == ("/restored.ckpt", False)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_gives_the_profiler_a_weak_proxy_of_the_model(namespace):
+    trainer_cls = importlib.import_module(namespace).Trainer
+    assert "profiler._lightning_module = proxy(" in inspect.getsource(trainer_cls), (
+        f"{namespace}.Trainer no longer sets profiler._lightning_module; update "
+        "_compat.profiler_state and set_profiler_state"
+    )
+    profiler = importlib.import_module(f"{namespace}.profilers").SimpleProfiler()
+    profiler.setup("fit", 0, "/logs")
+    profiler._lightning_module = object()
+    state = _compat.profiler_state(profiler)
+    assert "_lightning_module" not in state and state["dirpath"] == "/logs"
+    driver = importlib.import_module(f"{namespace}.profilers").SimpleProfiler()
+    own = driver._lightning_module = object()
+    _compat.set_profiler_state(driver, state)
+    assert driver.dirpath == "/logs" and driver._lightning_module is own
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
 def test_lightning_loops_have_a_settable_restarting_flag(namespace):
     trainer = importlib.import_module(namespace).Trainer(logger=False, enable_progress_bar=False)
     loop = trainer.fit_loop

@@ -9,9 +9,13 @@ import time
 
 import pytest
 import pytorch_lightning as pl
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, ResourcesUnavailableError
+from ray_lightning_sgd._backend.base import BackendConfig
 from ray_lightning_sgd._driver.elastic import GrowthWatch, WorldSizes, describe
+from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._executor.controller import Regroup
 from ray_lightning_sgd._worker.resume import ResumePoint
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
@@ -162,3 +166,24 @@ def test_world_sizes_by_epoch_follow_the_attempt_that_trained_each_epoch():
     # a preemption's point inside epoch 5: that epoch ends on the restart's size
     sizes.attempt(ResumePoint(5, 44, batches=2), 1)
     assert sizes.by_epoch(7) == {**by_epoch, 5: 1, 6: 1}
+
+
+def test_a_warm_elastic_group_is_reused_only_at_the_largest_size_the_cluster_places(free_cluster):
+    config = WorkerGroupConfig(num_workers=2, sizes=(2, 1))
+
+    def call() -> tuple[int, bool]:
+        """The size of the group a call gets, and whether it was warm."""
+        executor, warm = pool.acquire(BackendConfig(), config)
+        pool.release(executor, keep=True)
+        return len(executor.worker_group), warm
+
+    taken = placement_group([{"CPU": 1}])  # one of the cluster's two CPUs
+    ray.get(taken.ready())
+    try:
+        assert call() == (1, False)
+        assert call() == (1, True), "the CPU is still taken: the warm group is the largest"
+    finally:
+        remove_placement_group(taken)
+    # the CPU is free again: a call starts with as many workers as the cluster places now
+    assert call() == (2, False)
+    assert len(pool.idle_group_names()) == 1

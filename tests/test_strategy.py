@@ -85,6 +85,7 @@ def test_driver_holds_state_metrics_and_callback_state(ray_cluster, tmp_path):
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
+        profiler="simple",
     )
     trainer.fit(model, loader(), loader(n=40))
 
@@ -111,7 +112,13 @@ def test_driver_holds_state_metrics_and_callback_state(ray_cluster, tmp_path):
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, saved[key])
 
-    validated = trainer.validate(model, loader(n=40))
+    # the driver's profiler is rank 0's, set up (its folder) and with what it recorded
+    assert trainer.profiler.dirpath == str(tmp_path)
+    assert len(trainer.profiler.recorded_durations["run_training_epoch"]) == 3
+    assert trainer.ckpt_path is None
+
+    validated = trainer.validate(model, loader(n=40), ckpt_path="best")
+    assert trainer.ckpt_path == checkpoint.best_model_path, "the checkpoint validate restored"
     assert isinstance(validated, list) and len(validated) == 1
     assert set(validated[0]) == {"val_loss", "val_acc"}
     assert trainer.state.fn == TrainerFn.VALIDATING

@@ -163,6 +163,43 @@ def ckpt_path_of(
     return bound.arguments.get("ckpt_path")
 
 
+def checkpoint_selection(trainer: Any) -> tuple[Any, bool]:
+    """Runs on rank 0. The checkpoint the call restored (``Trainer.ckpt_path``) and whether the
+    user chose it by setting ``trainer.ckpt_path`` (the connector's private ``_user_managed``:
+    such a path is restored by the next call too)."""
+    return trainer.ckpt_path, bool(trainer._checkpoint_connector._user_managed)
+
+
+def set_checkpoint_selection(trainer: Any, selection: tuple[Any, bool]) -> None:
+    """Driver side: gives the driver's Trainer what :func:`checkpoint_selection` read on rank 0
+    (the public setter alone would count every restored path as the user's choice)."""
+    path, user_managed = selection
+    trainer.ckpt_path = path
+    trainer._checkpoint_connector._user_managed = user_managed
+
+
+#: What the Trainer's set-up gives its profiler: a weak proxy of the model (it cannot be pickled;
+#: the driver's profiler keeps its own).
+_PROFILER_MODEL = "_lightning_module"
+
+
+def profiler_state(profiler: Any) -> dict[str, Any]:
+    """Runs on rank 0. The profiler's attributes after a call (its ``dirpath``, stage, what it
+    recorded), without its weak reference to the model."""
+    return {key: value for key, value in vars(profiler).items() if key != _PROFILER_MODEL}
+
+
+def set_profiler_state(profiler: Any, state: dict[str, Any]) -> None:
+    """Driver side: makes the driver's profiler hold what :func:`profiler_state` read on rank 0,
+    as ``ddp``'s driver (rank 0) holds it. Its attributes are replaced, not merged: a lazy
+    instance (jsonargparse's ``lazy_instance``) that was never set up here becomes the set-up one."""
+    own = vars(profiler)
+    kept = {key: own[key] for key in (_PROFILER_MODEL,) if key in own}
+    own.clear()
+    own.update(state)
+    own.update(kept)
+
+
 def mark_loop_finished(loop: Any) -> None:
     """Driver side: a loop whose state came from rank 0 finished there; it is not resuming
     (``restarting`` is a property of Lightning's private loop base class)."""

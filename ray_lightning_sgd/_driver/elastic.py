@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable
 
 from ray.util.placement_group import (
     PlacementGroup,
     get_current_placement_group,
-    placement_group,
     placement_group_table,
     remove_placement_group,
 )
 
 from ray_lightning_sgd._executor.controller import Regroup
 from ray_lightning_sgd._worker.resume import ResumePoint
-from ray_lightning_sgd._worker_group.config import NAME_PREFIX, WorkerGroupConfig
+from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
+from ray_lightning_sgd._worker_group.group import start_growth_probe
 
 log = logging.getLogger(__name__)
 
@@ -143,19 +142,7 @@ class GrowthWatch:
         return False
 
     def _start_probe(self) -> PlacementGroup:
-        config = self._config
-        bundle = dict(config.resources_per_worker)
-        # the next size the run may take (keep_global_batch_size skips some)
-        larger = min(size for size in config.sizes if size > self._size)
-        if config.placement_strategy in ("STRICT_PACK", "STRICT_SPREAD"):
-            # the larger group must fit as a whole, beside this one (which holds its resources):
-            # never room where there is none, at the cost of missing some
-            bundles, strategy = [bundle] * larger, config.placement_strategy
-        else:
-            # the bundles the larger group adds, anywhere: with this one's, the group fits
-            bundles, strategy = [bundle] * (larger - self._size), "SPREAD"
-        name = f"{NAME_PREFIX}-probe-{uuid.uuid4().hex[:12]}"
-        return placement_group(bundles, strategy=strategy, name=name)
+        return start_growth_probe(self._config, self._size)
 
 
 class WorldSizes:

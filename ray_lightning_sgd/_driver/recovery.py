@@ -44,6 +44,7 @@ def recover_results_in_driver(
     model.trainer = trainer
     trainer.state = rank_zero.state
     trainer.should_stop = rank_zero.should_stop
+    _compat.set_checkpoint_selection(trainer, rank_zero.checkpoint)
     loop = loop_of(trainer)
     loop.load_state_dict(rank_zero.loop_state)
     _compat.mark_loop_finished(loop)
@@ -120,7 +121,7 @@ def _restore_attributes(
     trainer: pl.Trainer, model: Any, datamodule: Any, attributes: Attributes
 ) -> set[int]:
     """Driver side: gives the driver's callbacks, loggers, model and datamodule rank 0's
-    attributes, and after ``fit`` rank 0's optimizers and LR schedulers (see
+    attributes, rank 0's profiler state, and after ``fit`` rank 0's optimizers and LR schedulers (see
     :class:`~ray_lightning_sgd._worker.entry.Attributes`); returns the ``id`` of each callback
     and logger restored this way. What the driver cannot rebuild (it references an object the
     driver lacks, or fails to unpickle here) is left out with a warning that names it."""
@@ -173,6 +174,10 @@ def _restore_attributes(
         if ok:
             # after fit: rank 0's optimizers and schedulers, over the driver's parameters
             trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = value
+    if attributes.profiler is not None:
+        ok, value = rebuilt(attributes.profiler, "the profiler")
+        if ok:
+            _compat.set_profiler_state(trainer.profiler, value)  # type: ignore[attr-defined]
     if left_out:
         optimizers = any(item.startswith("the optimizers") for item in left_out)
         warnings.warn(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import ray
 import torch
+from ray.exceptions import RayError
 
 from ray_lightning_sgd._backend.base import BackendConfig
 from ray_lightning_sgd._executor.executor import BackendExecutor
@@ -54,8 +55,8 @@ def acquire(
     """Driver side: lends a running executor for these configs; returns it and whether it was warm.
 
     With ``reuse``, an idle executor with equal configs in the same Ray session whose workers still
-    answer is lent again. Otherwise every idle executor is shut down (freeing its resources) and a
-    new one is started.
+    answer is lent again; an elastic one only if the cluster has no room for a larger size now.
+    Otherwise every idle executor is shut down (freeing its resources) and a new one is started.
     """
     executor, warm = _find_or_start(backend_config, worker_group_config, reuse)
     with _lock:
@@ -93,6 +94,10 @@ def _find_or_start(
         _idle.clear()
     try:
         _shut_down(others, session)
+        if match is not None and _could_be_larger(match.executor):
+            # a call starts with as many workers as the cluster places now, warm or not
+            _shut_down([match], session)
+            match = None
         if match is not None and match.executor.is_alive(_HEALTH_CHECK_S):
             log.debug("Reusing warm worker group %s", match.executor.worker_group.name)
             return match.executor, True
@@ -115,6 +120,27 @@ def _find_or_start(
     executor = BackendExecutor(backend_config, worker_group_config)
     executor.start()  # shuts its workers down itself when it fails or is interrupted
     return executor, False
+
+
+def _could_be_larger(executor: BackendExecutor) -> bool:
+    """Whether an idle elastic group that took fewer than its most workers (the cluster was
+    short when it started) would now be placed at a larger size; it logs why it is replaced."""
+    group = executor.worker_group
+    if not group.config.elastic:
+        return False
+    try:
+        room = group.has_room_to_grow()
+    except RayError:  # the cluster did not answer: the warm group is what it has
+        log.debug("Could not probe for room beside %s", group.name, exc_info=True)
+        return False
+    if not room:
+        return False
+    log.info(
+        "The cluster has room for more than the %d warm workers of %s (of up to %d): starting "
+        "a larger group",
+        len(group), group.name, group.config.num_workers,
+    )  # fmt: skip
+    return True
 
 
 def _code_fits(idle: WorkerGroupConfig, wanted: WorkerGroupConfig) -> bool:

@@ -123,6 +123,9 @@ class RankZeroResults(NamedTuple):
     files: dict[str, bytes]
     #: Each logger's version, as rank 0 chose it.
     logger_versions: list[Any]
+    #: ``Trainer.ckpt_path`` (the checkpoint the call restored) and whether the user set it
+    #: (see :func:`ray_lightning_sgd._compat.checkpoint_selection`).
+    checkpoint: tuple[Any, bool] = (None, False)
 
 
 class RankPredictions(NamedTuple):
@@ -344,7 +347,14 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     collected = _collect_results(trainer, results, global_rank, recorder)
     if collected.rank_zero is not None:
         files = artifacts.collect(payload.artifacts, trainer, started)
-        collected = collected._replace(rank_zero=collected.rank_zero._replace(files=files))
+        checkpoint = collected.rank_zero.checkpoint
+        copied = payload.resume is not None and payload.resume.uri is None
+        if copied and checkpoint[0] == resume_file:
+            # a restarted fit restored this worker's temporary copy, deleted now: no path to give
+            checkpoint = (None, checkpoint[1])
+        collected = collected._replace(
+            rank_zero=collected.rank_zero._replace(files=files, checkpoint=checkpoint)
+        )
     return collected
 
 
@@ -421,6 +431,7 @@ def _collect_results(
         should_stop=trainer.should_stop,
         files={},
         logger_versions=logger_versions(trainer),
+        checkpoint=_compat.checkpoint_selection(trainer),
     )
     return WorkerOutput(to_cpu(results), rank_zero, predictions)
 
@@ -445,6 +456,9 @@ class Attributes(NamedTuple):
     #: After ``fit``: the optimizers and LR scheduler configs together, over the driver's
     #: parameters (``trainer.optimizers`` and the driver's ``save_checkpoint`` hold them).
     optimizers: Packed | None
+    #: The profiler's attributes (``ddp``'s driver holds rank 0's set-up profiler: its
+    #: ``dirpath``, what it recorded); None where they could not be packed.
+    profiler: Packed | None
     #: What could not be pickled and stayed on the workers (the driver warns, naming each).
     left_out: list[str]
 
@@ -487,6 +501,10 @@ def _attributes(trainer: pl.Trainer) -> Attributes:
             item((list(trainer.optimizers), list(trainer.lr_scheduler_configs)), "the optimizers")
             if fitted
             else None
+        ),
+        profiler=item(
+            _compat.profiler_state(trainer.profiler),  # type: ignore[attr-defined]
+            "the profiler",
         ),
         left_out=left_out,
     )

@@ -277,6 +277,25 @@ class WorkerGroup:
             self._placement_group = None
         log.debug("Shut down worker group %s", self._name)
 
+    def has_room_to_grow(self, wait_s: float = _PROBE_S) -> bool:
+        """Driver side: whether the cluster would place this elastic group at a larger size now.
+
+        A started elastic group below its most workers reserves what a larger size would add
+        (:func:`start_growth_probe`) and waits up to ``wait_s`` for it, as long as a new group
+        waits for each larger size; anything else (a fixed size, the most already, a Ray Tune
+        trial's fixed reservation) has no room to grow.
+        """
+        self._require(_State.STARTED, "probe for room")
+        config = self._config
+        if len(self) >= config.num_workers or get_current_placement_group() is not None:
+            return False
+        probe = start_growth_probe(config, len(self))
+        try:
+            ready, _ = ray.wait([probe.ready()], timeout=wait_s)
+        finally:
+            remove_placement_group(probe)
+        return bool(ready)
+
     def _worker(self, index: int, action: str) -> Worker:
         self._require(_State.STARTED, action)
         if not 0 <= index < len(self._workers):
@@ -398,6 +417,26 @@ class WorkerGroup:
             return ray.get(list(refs))
         except GetTimeoutError as err:  # pragma: no cover - every ref is ready here
             raise WorkerGroupError(f"results of {self._name} vanished") from err
+
+
+def start_growth_probe(config: WorkerGroupConfig, size: int) -> PlacementGroup:
+    """Driver side: reserves, without waiting, what an elastic group of ``size`` workers needs
+    besides its own reservation to take its next larger size; placed, there is room to grow.
+
+    The caller removes the returned placement group.
+    """
+    bundle = dict(config.resources_per_worker)
+    # the next size the group may take (keep_global_batch_size skips some)
+    larger = min(n for n in config.sizes if n > size)
+    if config.placement_strategy in ("STRICT_PACK", "STRICT_SPREAD"):
+        # the larger group must fit as a whole, beside this one (which holds its resources):
+        # never room where there is none, at the cost of missing some
+        bundles, strategy = [bundle] * larger, config.placement_strategy
+    else:
+        # the bundles the larger group adds, anywhere: with this one's, the group fits
+        bundles, strategy = [bundle] * (larger - size), "SPREAD"
+    name = f"{NAME_PREFIX}-probe-{uuid.uuid4().hex[:12]}"
+    return placement_group(bundles, strategy=strategy, name=name)
 
 
 def bundles_for_workers(

@@ -15,6 +15,7 @@ import functools
 import itertools
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -172,9 +173,30 @@ def snapshot(trainer: Any, model: Any, result: Any, root: Path) -> dict[str, Any
         else {k: v for k, v in vars(trainer.datamodule).items() if not k.startswith("_")},
         "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         "files": files_under(root),
+        # the tuners restore a checkpoint of their own, named by a new UUID each time
+        "ckpt_path": None
+        if trainer.ckpt_path is None
+        else re.sub(r"\.lr_find_[0-9a-f-]+\.ckpt$", ".lr_find_<id>.ckpt", str(trainer.ckpt_path)),
+        "profiler": _profiler(trainer.profiler),
     }
     state["model_attributes"].pop("training", None)
     return normalise(state, root)
+
+
+def _profiler(profiler: Any) -> dict[str, Any]:
+    """What a profiler holds after a call: where it writes, and how often it recorded each
+    action (durations differ run to run; callbacks' hooks include each mode's own callbacks)."""
+    durations = getattr(profiler, "recorded_durations", {})
+    return {
+        "type": type(profiler).__qualname__,
+        "dirpath": profiler.dirpath,
+        "filename": profiler.filename,
+        "recorded": {
+            action.replace("RaySGDStrategy", "DDPStrategy"): len(times)
+            for action, times in durations.items()
+            if not action.startswith("[Callback]")
+        },
+    }
 
 
 def _not_a_bar(callback: Any, trainer: Any) -> bool:
@@ -377,6 +399,24 @@ def case_test_from_best_checkpoint_and_save_on_the_driver(run: Run) -> None:
     trainer.save_checkpoint(run.root / "driver.ckpt")
     run.record("save_checkpoint", trainer, model)
     run.record("test best", trainer, model, trainer.test(model, loader(32), ckpt_path="best"))
+
+
+@case
+def case_profiler_and_ckpt_path(run: Run) -> None:
+    """The driver's profiler holds rank 0's (set up: its ``dirpath``, what it recorded);
+    ``trainer.ckpt_path`` names the checkpoint that ``validate(ckpt_path="best")`` restored."""
+    pl.seed_everything(17)
+    model = Classifier()
+    trainer = run.trainer(
+        max_epochs=1,
+        enable_checkpointing=True,
+        profiler="simple",
+        callbacks=[ModelCheckpoint(monitor="val_loss", filename="best")],
+    )
+    trainer.fit(model, loader(), loader(32))
+    run.record("fit", trainer, model)
+    result = trainer.validate(model, loader(32), ckpt_path="best")
+    run.record("validate best", trainer, model, result)
 
 
 @case
