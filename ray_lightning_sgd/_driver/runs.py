@@ -66,6 +66,16 @@ def run_lock(folder: str, name: str) -> Iterator[None]:
                 "drivers cannot train one run at once; wait for that one to end (or stop it), "
                 "or pass another run_name"
             ) from None
+        except OSError as err:  # a file system without flock (some NFS, Lustre, FUSE mounts)
+            log.warning(
+                "run_name=%r: %s cannot be locked (%s); the run trains unlocked: start one "
+                "driver at a time for it",
+                name,
+                lock,
+                err,
+            )
+            yield
+            return
         os.ftruncate(fd, 0)
         since = time.strftime("%Y-%m-%d %H:%M:%S")
         os.pwrite(

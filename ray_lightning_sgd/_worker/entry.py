@@ -47,7 +47,7 @@ from ray_lightning_sgd._worker.resume import (
     forget,
     logger_versions,
     materialise,
-    resolve,
+    resolve_on_rank_zero,
 )
 from ray_lightning_sgd._worker_group.context import get_worker_context
 from ray_lightning_sgd._worker_group.outbox import get_outbox
@@ -310,7 +310,9 @@ def _run_payload(payload: Payload) -> WorkerOutput:
             # first: a fit stopped at a batch's start stops before the others' hooks for it
             first.append(_callback_class(flavour, BatchStartBase)(resume_callback))
         if fitting and payload.resume is not None:
-            resume = resolve(payload.resume)  # the point, or an older one if its file is gone
+            # the point, or an older one if its file is gone: rank 0 decides for every rank
+            device = environment.device if environment.device.type == "cuda" else None
+            resume = resolve_on_rank_zero(payload.resume, device)
             resume_file = materialise(resume)
             if global_rank == 0:  # the only rank whose loggers write: one folder a run
                 for logger, version in zip(trainer.loggers, resume.logger_versions, strict=False):

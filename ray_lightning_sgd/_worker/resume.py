@@ -295,13 +295,15 @@ class ResumeCheckpointBase:
         else:
             uri = None
             scratch.sweep()  # what killed workers of this node left
-            path = scratch.create(".ckpt")
+            # a folder of its own: Lightning's save replaces the file by name, out of a lock
+            held = scratch.create_folder()
             try:
+                path = os.path.join(held, "resume.ckpt")
                 with whole:
                     trainer.save_checkpoint(path)
                 data = _read(path) if rank_zero else None
             finally:
-                scratch.release(path)
+                scratch.release(held)
         point = ResumePoint(
             trainer.current_epoch, trainer.global_step, data=data, uri=uri,
             logger_versions=tuple(logger_versions(trainer)) if rank_zero else (),
@@ -568,10 +570,34 @@ def _read(path: str) -> bytes:
         return file.read()
 
 
+def resolve_on_rank_zero(point: ResumePoint, device: Any = None) -> ResumePoint:
+    """Runs on each worker of a restarted attempt (all of them: a collective where the point
+    has a URI). Rank 0 resolves the point (:func:`resolve`) and every rank takes its answer, so that
+    no rank resumes from another checkpoint than the others (a storage that one rank reads
+    differently for a moment, an object store's listing). ``device``: where the process
+    group's objects travel (each rank's own GPU with NCCL)."""
+    if point.uri is None:
+        return point
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return resolve(point)
+    answer: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer[0] = resolve(point)
+        except RaySGDError as err:  # every rank raises it, none waits for the others
+            answer[0] = err
+    dist.broadcast_object_list(answer, src=0, device=device)
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    return cast("ResumePoint", answer[0])
+
+
 def resolve(point: ResumePoint) -> ResumePoint:
-    """Runs on each worker of a restarted attempt. ``point``, or where its file is missing or
-    damaged (its writer died, or it was deleted), the newest whole checkpoint of its folder,
-    with a warning naming the file passed over; every rank finds the same one.
+    """``point``, or where its file is missing or damaged (its writer died, or it was
+    deleted), the newest whole checkpoint of its folder, with a warning naming the file passed
+    over.
 
     Raises:
         RaySGDError: No whole checkpoint is left in the folder.

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import tempfile
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,30 @@ PREFIX = "ray_lightning_sgd-resume-"
 
 #: The files this process holds: path -> the open descriptor that holds its lock.
 _held: dict[str, int] = {}
+
+#: flock's errors that say the file system has no such locks (some NFS, Lustre, FUSE mounts).
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
+#: Whether the folder's file system refused a lock: files then go when their process releases
+#: them, as before locks (a killed process's file stays), and nothing is swept.
+_unlocked = False
+
+
+def _lock_shared(fd: int) -> None:
+    """Holds ``fd``'s file for this process; nothing where the file system has no locks."""
+    global _unlocked
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as err:
+        if err.errno not in _NO_LOCKS:
+            raise
+        if not _unlocked:
+            log.warning(
+                "%s has no file locks (%s): copies of resume checkpoints that a killed worker "
+                "leaves there stay; set TMPDIR to a local folder in worker_env to clean them",
+                folder(),
+                err,
+            )
+        _unlocked = True
 
 
 def folder() -> str:
@@ -34,8 +59,22 @@ def create(suffix: str) -> str:
     """A new empty file of ours, held by this process until :func:`release`."""
     while True:
         fd, path = tempfile.mkstemp(prefix=PREFIX, suffix=suffix, dir=folder())
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _lock_shared(fd)
         if _still_there(fd, path):  # not swept between its creation and the lock
+            _held[path] = fd
+            return path
+        os.close(fd)
+
+
+def create_folder() -> str:
+    """A new empty folder of ours, held by this process until :func:`release`: for files that
+    another writer replaces by name (Lightning's save renames its own temporary file into
+    place, a new file the lock on the old one would not hold)."""
+    while True:
+        path = tempfile.mkdtemp(prefix=PREFIX, dir=folder())
+        fd = os.open(path, os.O_RDONLY)
+        _lock_shared(fd)
+        if _still_there(fd, path):
             _held[path] = fd
             return path
         os.close(fd)
@@ -49,7 +88,7 @@ def hold_copy(path: str, data: bytes) -> None:
     while True:
         with contextlib.suppress(FileNotFoundError):
             fd = os.open(path, os.O_RDONLY)
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            _lock_shared(fd)
             if _still_there(fd, path):
                 _held[path] = fd
                 return
@@ -58,7 +97,7 @@ def hold_copy(path: str, data: bytes) -> None:
         try:
             with open(partial, "wb") as file:
                 file.write(data)
-            os.link(partial, path)  # fails where another process put its copy first
+            _link(partial, path)  # fails where another process put its copy first
         except FileExistsError:
             _drop(partial)
             continue  # take that one
@@ -67,8 +106,19 @@ def hold_copy(path: str, data: bytes) -> None:
             raise
         # the part's descriptor holds the copy's file (one file, two names until this unlink)
         _held[path] = _held.pop(partial)
-        os.unlink(partial)
+        with contextlib.suppress(FileNotFoundError):  # gone where it was renamed
+            os.unlink(partial)
         return
+
+
+def _link(partial: str, path: str) -> None:
+    """Gives the part its final name too, unless another process gave its own first."""
+    try:
+        os.link(partial, path)
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        os.replace(partial, path)  # no hard links here: the last one wins, each one whole
 
 
 def release(path: str) -> None:
@@ -80,12 +130,18 @@ def _drop(path: str) -> None:
     fd = _held.pop(path, None)
     if fd is not None:
         os.close(fd)  # our lock goes with it
-    _remove_unheld(path)
+    if _unlocked:
+        _remove_released(path)
+    else:
+        _remove_unheld(path)
 
 
 def sweep() -> list[str]:
-    """Removes the files of ours in :func:`folder` that no process holds; returns their paths."""
+    """Removes the files and folders of ours in :func:`folder` that no process holds; returns
+    their paths."""
     removed: list[str] = []
+    if _unlocked:
+        return removed  # no lock tells a killed process's file from a live one's
     try:
         names = os.listdir(folder())
     except OSError:
@@ -98,26 +154,43 @@ def sweep() -> list[str]:
 
 
 def _remove_unheld(path: str) -> bool:
+    is_folder = os.path.isdir(path)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # a file for writing: where flock is emulated by POSIX locks (NFS), an exclusive one
+        # needs it
+        fd = os.open(path, os.O_RDONLY if is_folder else os.O_RDWR)
     except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            log.debug("Could not test %s: %s", path, err)
+    except OSError:  # held by a process (or a file system without locks)
         os.close(fd)
         return False
     try:
         if _still_there(fd, path):
-            os.unlink(path)
+            _remove(path)
             return True
         return False
     except OSError:
         return False
     finally:
         os.close(fd)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        os.unlink(path)
+
+
+def _remove_released(path: str) -> bool:
+    """Without locks: removes a file this process released (the other processes of its node
+    that share it hold it open: their reads go on)."""
+    with contextlib.suppress(FileNotFoundError):
+        _remove(path)
+        return True
+    return False
 
 
 def _still_there(fd: int, path: str) -> bool:
