@@ -9,6 +9,7 @@ it, and :func:`remove_leftovers` finds what a killed writer left.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import uuid
@@ -43,6 +44,9 @@ def publish(filesystem: Any, temp_path: str, final_path: str) -> None:
     fd = os.open(temp_path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as err:  # some FUSE and CIFS mounts sync nothing for a read-only descriptor
+        if err.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
     os.replace(temp_path, final_path)

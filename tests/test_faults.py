@@ -146,6 +146,8 @@ def test_a_restart_resumes_and_ends_as_the_run_without_failure(ray_cluster, tmp_
         (model.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items()
     )
     assert diff <= 1e-6, f"resumed weights differ by {diff}"
+    # as after ddp's fit without a ckpt_path: not the path of our resume checkpoint
+    assert got.ckpt_path is None
 
 
 class Terminated(TinyModel):
@@ -311,6 +313,7 @@ def test_a_resume_checkpoint_in_storage(ray_cluster, tmp_path, caplog):
     assert [int(row["epoch"]) for row in rows if row["val_loss"]] == [0, 1, 2]
     # the run's own folder of the storage held it; a run that succeeded leaves nothing there
     assert list(storage.rglob("*.ckpt")) == []
+    assert trainer.ckpt_path is None  # not the deleted resume checkpoint's path (ddp: None)
 
 
 def test_runs_sharing_a_checkpoint_storage_keep_their_own_checkpoints(ray_cluster, tmp_path):

@@ -88,3 +88,17 @@ def test_a_uri_storage_is_probed_through_fsspec():
 
     storage.check_writable("memory://ckpts/run", "memory://ckpts")
     assert fsspec.filesystem("memory").ls("/ckpts/run") == []  # made, probe removed
+
+
+def test_storage_the_driver_cannot_reach_is_left_to_the_workers(
+    read_only_folder, no_connect, monkeypatch
+):
+    """A URI whose fsspec package only the workers have, or any storage behind a Ray Client
+    (the driver's disk is not the cluster's), is not probed on the driver."""
+    pytest.importorskip("fsspec")
+    with pytest.raises(ImportError):  # this machine has no s3fs: the workers would need it
+        import s3fs  # noqa: F401
+    storage.check_writable("s3://bucket/runs", "s3://bucket/runs")  # no error: not checked
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    with pytest.raises(_Connected):  # the read-only folder is the cluster's business
+        _fit(max_failures=2, checkpoint_storage=str(read_only_folder / "ckpts"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -84,12 +86,16 @@ class _GroupWhoseWorkerCannotJoin:
 
 
 def test_a_join_that_cannot_reach_the_port_ends_after_startup_timeout():
-    from ray_lightning_sgd._backend.torch import TorchBackend
+    from ray_lightning_sgd._backend.torch import JOIN_FLOOR_S, TorchBackend
     from ray_lightning_sgd.exceptions import WorkerTimeoutError
 
     group = _GroupWhoseWorkerCannotJoin()
     with pytest.raises(WorkerTimeoutError) as info:
         TorchBackend().on_start(group, TorchConfig())  # timeout_s: 1800
-    assert group.waited == [7]
+    assert group.waited == [JOIN_FLOOR_S]  # startup_timeout_s (7) below the floor
     message = str(info.value)
     assert "10.0.0.1:29511" in message and "startup_timeout_s" in message
+    group.config = dataclasses.replace(group.config, startup_timeout_s=400)
+    with pytest.raises(WorkerTimeoutError):
+        TorchBackend().on_start(group, TorchConfig(timeout_s=350))
+    assert group.waited[-1] == 350  # the process group's own timeout, when lower

@@ -27,6 +27,9 @@ from ray_lightning_sgd.exceptions import ConfigurationError, WorkerTimeoutError
 
 log = logging.getLogger(__name__)
 
+#: The least time the workers have to join the process group, whatever ``startup_timeout_s``.
+JOIN_FLOOR_S = 300.0
+
 BACKENDS = ("gloo", "nccl")
 INIT_METHODS = ("env", "tcp")
 _SHUTDOWN_WAIT_S = 10.0
@@ -97,7 +100,10 @@ class TorchBackend(Backend):
         )
         # each worker joins under the rank and device its group assigned, given as arguments;
         # one that cannot reach the port would wait the whole process group timeout (30 min)
-        join_s = min(backend_config.timeout_s, worker_group.config.startup_timeout_s)
+        # (not less than JOIN_FLOOR_S: NCCL's set-up on hundreds of GPUs can take minutes)
+        join_s = min(
+            backend_config.timeout_s, max(worker_group.config.startup_timeout_s, JOIN_FLOOR_S)
+        )
         joins = [
             worker_group.execute_single_async(
                 index,
@@ -117,8 +123,8 @@ class TorchBackend(Backend):
         except WorkerTimeoutError as err:
             raise WorkerTimeoutError(
                 f"the {len(worker_group)} workers did not all join the {backend} process group "
-                f"at {address}:{port} (worker 0's node) within {join_s:g}s (startup_timeout_s, "
-                "or TorchConfig.timeout_s if lower): a worker's node cannot reach that port, most "
+                f"at {address}:{port} (worker 0's node) within {join_s:g}s (startup_timeout_s, at "
+                f"least {JOIN_FLOOR_S:g}s, or TorchConfig.timeout_s if lower): a worker's node cannot reach that port, most "
                 "often a firewall between the nodes or another network interface. Open the "
                 "ports between the nodes, or name the interface in worker_env "
                 "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), or raise startup_timeout_s if the "

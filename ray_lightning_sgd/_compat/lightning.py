@@ -73,6 +73,8 @@ def continue_logger(logger: Any, version: Any, before_step: int) -> None:
     # finds) and until the kept ones are in place: a kill at any moment leaves them in one of
     # the two files, and the next attempt takes them from there
     aside = f"{path.rpartition('/')[0]}/{METRICS_KEPT}"
+    # what a rank 0 killed while it wrote the file left (it alone writes the folder)
+    _files.remove_leftovers(path.rpartition("/")[0] or ".", starting=".metrics.csv")
     if filesystem.isfile(path):
         filesystem.mv(path, aside)
     elif not filesystem.isfile(aside):

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import signal
 import threading
 import uuid
@@ -374,7 +375,10 @@ def _run_folder(storage: str | None, run_id: str, run_name: str | None) -> str |
 def _check_storage(given: str, run_name: str | None) -> None:
     """Driver side, before Ray is touched: raises unless the folder rank 0 will write can be
     created and written (a named run's own folder; else the storage, where each launch makes
-    one)."""
+    one). Not from a Ray Client (connected, or about to be): its machine's disk is not the
+    cluster's."""
+    if _compat.ray.driver_is_a_client() or os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
+        return
     root = _storage.resolve(given)
     folder = root if run_name is None else f"{root.rstrip('/')}/{run_name}"
     _storage.check_writable(folder, given)

@@ -13,6 +13,7 @@ import logging
 import os
 import uuid
 
+from ray_lightning_sgd import _files
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,15 @@ def check_writable(folder: str, given: str) -> None:
     """
     import fsspec
 
-    probe = f"{folder.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex[:12]}"
+    # a temporary name of ours: a driver killed before it removes the probe leaves one that
+    # the next writer of the folder removes (``_files.remove_leftovers``)
+    probe = f"{folder.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex[:12]}{_files.TEMP_SUFFIX}"
     try:
         filesystem, path = fsspec.core.url_to_fs(folder)
+    except ImportError as err:  # the URI's package is on the workers only: they write it
+        log.info("checkpoint_storage=%r is not checked on the driver: %s", given, err)
+        return
+    try:
         filesystem.makedirs(path, exist_ok=True)
         probe_path = f"{path.rstrip('/')}/{os.path.basename(probe)}"
         with filesystem.open(probe_path, "wb") as file:

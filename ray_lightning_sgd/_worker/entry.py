@@ -350,10 +350,11 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     if collected.rank_zero is not None:
         files = artifacts.collect(payload.artifacts, trainer, started)
         checkpoint = collected.rank_zero.checkpoint
-        copied = payload.resume is not None and payload.resume.uri is None
-        if copied and checkpoint[0] == resume_file:
-            # a restarted fit restored this worker's temporary copy, deleted now: no path to give
-            checkpoint = (None, checkpoint[1])
+        if resume_file is not None and checkpoint[0] == resume_file:
+            # a restarted fit restored our resume checkpoint (a copy deleted now, or a storage's
+            # file): the driver holds the path the user's call gave, as without the restart
+            given = _compat.ckpt_path_of(payload.function, payload.args, payload.kwargs)
+            checkpoint = (None if given is None else str(given), checkpoint[1])
         collected = collected._replace(
             rank_zero=collected.rank_zero._replace(files=files, checkpoint=checkpoint)
         )

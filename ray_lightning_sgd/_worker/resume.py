@@ -484,6 +484,7 @@ def stored_points(storage: str) -> list[ResumePoint]:
     """The resume checkpoints in a storage folder (a path or fsspec URI), oldest first; neither
     checked (see :func:`newest_complete_point`) nor temporary files."""
     filesystem, path = fsspec_path(storage)
+    filesystem.invalidate_cache(path)  # an object store's listing cached by an earlier call
     if not filesystem.exists(path):
         return []
     points = []
