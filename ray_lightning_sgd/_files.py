@@ -74,8 +74,13 @@ def write_atomically(uri: str, data: str | bytes) -> None:
     folder, _, name = path.rstrip("/").rpartition("/")
     temp = f"{folder}/{temp_name(name)}" if folder else temp_name(name)
     mode = "wb" if isinstance(data, bytes) else "w"
+    text: dict[str, Any] = {} if mode == "wb" else {"newline": ""}
+    # a local file through the OS: fsspec's cached local file system stays in a transaction
+    # after a write inside one failed (fsspec 2025.12, after Lightning's save hit a full disk),
+    # and its later writes then go to files of its own, never to ``temp``
+    opener: Any = open if is_local(filesystem) else filesystem.open
     try:
-        with filesystem.open(temp, mode, **({} if mode == "wb" else {"newline": ""})) as file:
+        with opener(temp, mode, **text) as file:
             file.write(data)
         publish(filesystem, temp, path)
     except BaseException:

@@ -16,7 +16,8 @@ from tests.helpers import TinyData, TinyModel
 
 
 def _strategy() -> RaySGDStrategy:
-    return RaySGDStrategy(num_workers=2, num_cpus_per_worker=1, reuse_workers=False)
+    # half a CPU a worker: the two trials of the grid run at once on the session's 2 CPUs
+    return RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5, reuse_workers=False)
 
 
 def _trial(config: dict) -> None:
@@ -44,7 +45,7 @@ def _trial(config: dict) -> None:
 
 def test_a_tuner_runs_trials_with_the_strategy(free_cluster, tmp_path):
     resources = _strategy().tune_resources()
-    assert resources.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]  # the trial's own process: nothing
+    assert resources.bundles == [{"CPU": 0.5}, {"CPU": 0.5}]  # the trial's own process: nothing
     assert resources.head_bundle_is_empty
     tuner = tune.Tuner(
         tune.with_resources(_trial, resources),
