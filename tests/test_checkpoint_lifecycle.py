@@ -412,6 +412,59 @@ def test_a_restarted_attempt_killed_leaves_no_copy_of_its_checkpoint(ray_cluster
     assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
 
 
+def _dies_before_the_driver_holds_epoch_1s_point() -> None:
+    """An init_hook (runs on every worker as it starts): rank 0 exits, once, when epoch 1's
+    resume checkpoint is renamed into place and it waits for the driver to take it (the window
+    in which older checkpoints were deleted before the driver held the new one)."""
+    from ray_lightning_sgd._worker import resume as worker_resume
+
+    outbox_of = worker_resume.get_outbox
+    marker = os.environ["KILL_MARKER"]
+
+    class _DiesWaiting:
+        def __init__(self) -> None:
+            self._outbox = outbox_of()
+
+        def put_latest(self, channel, point):
+            self._point = point
+            return self._outbox.put_latest(channel, point)
+
+        def wait_delivered(self, channel, sequence, timeout_s):
+            if self._point.epoch == 1 and not os.path.exists(marker):
+                assert os.path.exists(str(self._point.uri)), "not yet renamed into place"
+                open(marker, "w").close()
+                os._exit(3)
+            return self._outbox.wait_delivered(channel, sequence, timeout_s)
+
+    worker_resume.get_outbox = _DiesWaiting
+
+
+def test_rank_0_killed_before_the_driver_holds_a_checkpoint_resumes_from_the_one_it_holds(
+    ray_cluster, tmp_path
+):
+    """keep_last=1 and a real kill of rank 0 between the rename and the delivery: the driver
+    still holds epoch 0's point, whose file stays, and the restart ends with the weights of a
+    run never stopped."""
+    before = _temp_files()
+    pl.seed_everything(0)
+    reference = TinyModel()
+    _fit(reference, RaySGDStrategy(num_workers=2), max_epochs=3)
+    marker = tmp_path / "killed"
+    strategy = RaySGDStrategy(
+        num_workers=2, max_failures=1, checkpoint_storage=str(tmp_path / "runs"), keep_last=1,
+        init_hook=_dies_before_the_driver_holds_epoch_1s_point,
+        worker_env={"KILL_MARKER": str(marker)},
+    )  # fmt: skip
+    pl.seed_everything(0)
+    model = TinyModel()
+    trainer = _fit(model, strategy, max_epochs=3)
+    assert marker.exists(), "rank 0 was not killed"
+    assert trainer.global_step == 18
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-6, rtol=0)
+    assert _temp_files() - before == set()
+
+
 def test_a_named_run_resumes_past_a_damaged_checkpoint_as_if_never_stopped(
     ray_cluster, tmp_path, caplog
 ):
