@@ -142,6 +142,19 @@ def test_a_full_disk_while_writing_keeps_the_last_whole_checkpoint(tmpfs, monkey
     assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
 
 
+def test_copies_of_rank_0s_files_on_a_full_disk_leave_the_old_ones_whole(tmpfs):
+    """The driver writes the files rank 0 wrote on another node (its best checkpoint, which a
+    later ``test(ckpt_path="best")`` loads) whole or not at all."""
+    from ray_lightning_sgd._worker import artifacts
+
+    best = tmpfs / "checkpoints" / "best.ckpt"
+    artifacts.write({str(best): b"epoch 0" * 1000})
+    with pytest.raises(OSError, match="No space left"):
+        artifacts.write({str(best): b"x" * 3_000_000})
+    assert best.read_bytes() == b"epoch 0" * 1000
+    assert os.listdir(best.parent) == ["best.ckpt"]
+
+
 def test_a_checkpoint_cut_short_is_passed_over_with_a_warning(tmp_path, caplog):
     storage = tmp_path / "run"
     storage.mkdir()

@@ -19,6 +19,8 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
+from ray_lightning_sgd import _files
+
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
@@ -118,15 +120,15 @@ def collect(artifacts: Artifacts | None, trainer: pl.Trainer, started: float) ->
 
 
 def write(files: dict[str, bytes]) -> None:
-    """Driver side: writes the files rank 0 sent at the same paths."""
+    """Driver side: writes the files rank 0 sent at the same paths, each whole or not at all
+    (a later call reads them: ``test(ckpt_path="best")``)."""
     if not files:
         return
     for path, data in files.items():
         folder = os.path.dirname(path)
         if folder:
             os.makedirs(folder, exist_ok=True)
-        with open(path, "wb") as file:
-            file.write(data)
+        _files.write_atomically(path, data)
     size = sum(len(d) for d in files.values())
     log.info(
         "Copied %d files (%.1f MB) that rank 0 wrote on its node to the driver",
