@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -80,6 +81,18 @@ def unpack(packed: Packed, copy: bool = True, shared: dict[str, Any] | None = No
     return unpickler.load()
 
 
+#: Reductions that :func:`pack` tries first on every object that is no tensor: each returns an
+#: object's reduction, or None to leave it to cloudpickle (see :func:`register_reduction`).
+_reductions: list[Callable[[Any], Any]] = []
+
+
+def register_reduction(reduce: Callable[[Any], Any]) -> None:
+    """Adds a reduction for other libraries' objects that must not travel as they are (the
+    compat layer registers them, keeping their private names there)."""
+    if reduce not in _reductions:
+        _reductions.append(reduce)
+
+
 class _Pickler(cloudpickle.CloudPickler):
     def __init__(
         self,
@@ -111,6 +124,10 @@ class _Pickler(cloudpickle.CloudPickler):
             obj = moved
         if type(obj) in _PLAIN_TENSOR_TYPES and _is_plain_cpu_tensor(obj):
             return self._reduce_tensor(obj)
+        for reduce in _reductions:
+            reduced = reduce(obj)
+            if reduced is not None:
+                return reduced
         return super().reducer_override(obj)
 
     def _reduce_tensor(self, tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:

@@ -351,3 +351,36 @@ def test_ray_tells_a_client_driver_from_a_connected_one(ray_cluster):
     # a driver connected directly is no client (tests/test_client.py drives a real client, whose
     # results would hang the driver if this did not say True there)
     assert _compat.ray.driver_is_a_client() is False
+
+
+def test_an_unbuilt_lazy_instance_travels_built_and_a_built_one_as_it_is():
+    """jsonargparse's lazy_instance (LightningCLI's profiler default): a copy of an unbuilt
+    one, unpickled elsewhere and collected, must not run Lightning's Profiler.__del__ on an
+    object that never got its attributes (each worker printed "no attribute '_stage'")."""
+    import gc
+    import sys
+
+    from jsonargparse import lazy_instance
+    from pytorch_lightning.profilers import SimpleProfiler
+
+    from ray_lightning_sgd._serialization import pack, unpack
+
+    unbuilt = lazy_instance(SimpleProfiler, filename="perf")
+    assert "setup" in vars(unbuilt), "jsonargparse no longer keeps its lazy methods per object"
+    failures: list[object] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = failures.append
+    try:
+        copy = unpack(pack(unbuilt))
+        assert copy.filename == "perf" and copy._stage is None  # built on arrival
+        del copy
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    assert failures == []
+    assert "setup" in vars(unbuilt)  # the driver's own stays as it was
+    built = lazy_instance(SimpleProfiler)
+    built.setup(stage="fit")
+    built.recorded_durations["step"].append(1.0)
+    assert unpack(pack(built)).recorded_durations["step"] == [1.0]  # its state travels
+    unbuilt._lazy_init()  # collected unbuilt, the test's own would fail as the copies did

@@ -20,6 +20,7 @@ from ray_lightning_sgd._compat.lightning import (
     logged_step,
     mark_loop_finished,
     profiler_state,
+    reduce_unbuilt_lazy_instance,
     set_checkpoint_selection,
     set_logger_version,
     set_profiler_state,
@@ -31,6 +32,9 @@ from ray_lightning_sgd._compat.lightning import (
     with_ckpt_path,
 )
 from ray_lightning_sgd._compat.ray import bind_local_ray_to_loopback
+from ray_lightning_sgd._serialization import register_reduction
+
+register_reduction(reduce_unbuilt_lazy_instance)
 
 __all__ = [
     "METRICS_KEPT",
@@ -47,6 +51,7 @@ __all__ = [
     "mark_loop_finished",
     "profiler_state",
     "ray",
+    "reduce_unbuilt_lazy_instance",
     "set_checkpoint_selection",
     "set_logger_version",
     "set_profiler_state",

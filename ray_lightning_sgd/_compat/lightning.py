@@ -283,3 +283,30 @@ def whole_checkpoints(strategy: Any, lightning_strategy: str) -> Iterator[None]:
         yield
     finally:
         setattr(strategy, name, saved)
+
+
+def reduce_unbuilt_lazy_instance(obj: Any) -> Any:
+    """A reduction for :func:`ray_lightning_sgd._serialization.pack`: an object of jsonargparse's
+    ``lazy_instance`` (LightningCLI's defaults, ``profiler=lazy_instance(SimpleProfiler)``) not
+    yet built, whose class has a ``__del__``, travels as the same lazy instance built on arrival.
+
+    Such an object builds itself at its first method call. A copy of the CLI's configuration
+    (``SaveConfigCallback.config``) is never called: unpickled on a worker, or back on the
+    driver, it is collected unbuilt, and its class's ``__del__`` fails on it (Lightning's
+    ``Profiler.__del__``: "no attribute '_stage'"), where ``ddp``'s processes keep theirs until
+    they exit. None for anything else (a built one travels as it is, with its state).
+    """
+    lazy = getattr(type(obj), "_lazy_init", None)
+    if lazy is None or getattr(type(obj), "__del__", None) is None:
+        return None
+    state = getattr(obj, "__dict__", {})
+    methods = state.get("_lazy_methods")
+    if not isinstance(methods, dict) or not any(name in state for name in methods):
+        return None  # built: its methods are the class's again
+    return _built_lazy_instance, (type(obj), state["_lazy_class_type"], state["_lazy_kwargs"])
+
+
+def _built_lazy_instance(lazy_class: type, class_type: type, kwargs: dict[str, Any]) -> Any:
+    instance = lazy_class(class_type, dict(kwargs))
+    instance._lazy_init()
+    return instance
