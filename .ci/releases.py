@@ -47,10 +47,21 @@ def index_versions(package: str) -> list[Version] | None:
     """The final releases the index serves for ``package``, or None if it did not answer."""
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pip", "index", "versions", package],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "index",
+                "versions",
+                package,
+                "--timeout",
+                "10",
+                "--retries",
+                "0",
+            ],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=30,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired):

@@ -255,6 +255,26 @@ def test_a_copy_goes_once_no_process_holds_it_even_after_sigkill(tmp_path, monke
     assert os.listdir(tmp_path) == []
 
 
+def test_a_folder_swept_before_its_lock_is_made_again(tmp_path, monkeypatch):
+    """Another rank's sweep may remove a new folder between its creation and its lock."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = []
+    real = tempfile.mkdtemp
+
+    def swept_at_once(**kwargs):
+        path = real(**kwargs)
+        made.append(path)
+        if len(made) == 1:
+            os.rmdir(path)  # what the other rank's sweep did
+        return path
+
+    monkeypatch.setattr(scratch.tempfile, "mkdtemp", swept_at_once)
+    held = scratch.create_folder()
+    assert held == made[1] and os.path.isdir(held)
+    scratch.release(held)
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_saving_folder_is_held_while_lightning_replaces_the_file_in_it(tmp_path, monkeypatch):
     """Rank 0 saves a resume checkpoint for the driver in a held folder: Lightning's save
     renames its own file into place (a new file, which a lock on the old one would not hold),
@@ -300,6 +320,10 @@ def test_without_file_locks_a_copy_goes_when_released_and_nothing_is_swept(
         with runs.run_lock(str(tmp_path / "run"), "r"):
             pass
     assert "the run trains unlocked" in caplog.text
+    with pytest.raises(KeyError) as raised:  # the fit's own error, not chained to the lock's
+        with runs.run_lock(str(tmp_path / "run"), "r"):
+            raise KeyError("the fit's")
+    assert raised.value.__context__ is None
 
 
 def test_run_json_damaged_is_named_with_the_fix(tmp_path):

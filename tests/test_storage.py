@@ -102,3 +102,8 @@ def test_storage_the_driver_cannot_reach_is_left_to_the_workers(
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with pytest.raises(_Connected):  # the read-only folder is the cluster's business
         _fit(max_failures=2, checkpoint_storage=str(read_only_folder / "ckpts"))
+
+
+def test_a_storage_fsspec_cannot_open_is_a_configuration_error():
+    with pytest.raises(ConfigurationError, match=r"checkpoint_storage='s4://bucket/runs'"):
+        storage.check_writable("s4://bucket/runs", "s4://bucket/runs")  # no such protocol

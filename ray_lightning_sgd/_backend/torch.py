@@ -123,9 +123,10 @@ class TorchBackend(Backend):
         except WorkerTimeoutError as err:
             raise WorkerTimeoutError(
                 f"the {len(worker_group)} workers did not all join the {backend} process group "
-                f"at {address}:{port} (worker 0's node) within {join_s:g}s (startup_timeout_s, at "
-                f"least {JOIN_FLOOR_S:g}s, or TorchConfig.timeout_s if lower): a worker's node cannot reach that port, most "
-                "often a firewall between the nodes or another network interface. Open the "
+                f"at {address}:{port} (worker 0's node) within {join_s:g}s (startup_timeout_s, "
+                f"at least {JOIN_FLOOR_S:g}s, or TorchConfig.timeout_s if lower): a worker's "
+                "node cannot reach that port, most often a firewall between the nodes or "
+                "another network interface. Open the "
                 "ports between the nodes, or name the interface in worker_env "
                 "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), or raise startup_timeout_s if the "
                 "join is only slow"

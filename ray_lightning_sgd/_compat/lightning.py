@@ -296,8 +296,11 @@ def reduce_unbuilt_lazy_instance(obj: Any) -> Any:
     ``Profiler.__del__``: "no attribute '_stage'"), where ``ddp``'s processes keep theirs until
     they exit. None for anything else (a built one travels as it is, with its state).
     """
-    lazy = getattr(type(obj), "_lazy_init", None)
-    if lazy is None or getattr(type(obj), "__del__", None) is None:
+    if getattr(type(obj), "_lazy_init", None) is None:  # cheap: most objects stop here
+        return None
+    typing = sys.modules.get("jsonargparse.typing")
+    base = getattr(typing, "_LazyInitBaseClass", None)
+    if base is None or not isinstance(obj, base) or getattr(type(obj), "__del__", None) is None:
         return None
     state = getattr(obj, "__dict__", {})
     methods = state.get("_lazy_methods")

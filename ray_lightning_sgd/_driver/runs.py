@@ -67,12 +67,16 @@ def run_lock(folder: str, name: str) -> Iterator[None]:
                 "or pass another run_name"
             ) from None
         except OSError as err:  # a file system without flock (some NFS, Lustre, FUSE mounts)
+            unlockable: OSError | None = err
+        else:
+            unlockable = None
+        if unlockable is not None:  # outside the except: the fit's errors do not chain to it
             log.warning(
                 "run_name=%r: %s cannot be locked (%s); the run trains unlocked: start one "
                 "driver at a time for it",
                 name,
                 lock,
-                err,
+                unlockable,
             )
             yield
             return

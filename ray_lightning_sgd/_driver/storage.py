@@ -49,24 +49,34 @@ def check_writable(folder: str, given: str) -> None:
     probe = f"{folder.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex[:12]}{_files.TEMP_SUFFIX}"
     try:
         filesystem, path = fsspec.core.url_to_fs(folder)
-    except ImportError as err:  # the URI's package is on the workers only: they write it
-        log.info("checkpoint_storage=%r is not checked on the driver: %s", given, err)
+    except ImportError as err:  # the URI's package may be on the workers only: they write it
+        log.warning(
+            "checkpoint_storage=%r is not checked on the driver, which lacks its package (%s); "
+            "every worker's node needs it",
+            given,
+            err,
+        )
         return
+    except Exception as err:  # an unknown protocol (ValueError), a client that cannot start
+        raise _unwritable(given, folder, err) from err
     try:
         filesystem.makedirs(path, exist_ok=True)
         probe_path = f"{path.rstrip('/')}/{os.path.basename(probe)}"
         with filesystem.open(probe_path, "wb") as file:
             file.write(b"")
     except Exception as err:  # OSError locally; fsspec's backends raise their own kinds
-        where = "" if folder == given else f" ({folder})"
-        raise ConfigurationError(
-            f"checkpoint_storage={given!r}{where} cannot be written: "
-            f"{type(err).__name__}: {err}. Give a folder that the driver and every worker's node "
-            "can create and write (a shared file system, or an fsspec URI such as "
-            "s3://bucket/runs with its package installed), or leave checkpoint_storage out to "
-            "keep resume checkpoints on the driver's node"
-        ) from err
+        raise _unwritable(given, folder, err) from err
     try:
         filesystem.rm(probe_path)
     except Exception as err:  # noqa: BLE001 - the storage works; a stray empty file is no error
         log.warning("Could not remove the probe file %s: %s", probe, err)
+
+
+def _unwritable(given: str, folder: str, err: BaseException) -> ConfigurationError:
+    where = "" if folder == given else f" ({folder})"
+    return ConfigurationError(
+        f"checkpoint_storage={given!r}{where} cannot be written: {type(err).__name__}: {err}. "
+        "Give a folder that the driver and every worker's node can create and write (a shared "
+        "file system, or an fsspec URI such as s3://bucket/runs with its package installed), "
+        "or leave checkpoint_storage out to keep resume checkpoints on the driver's node"
+    )

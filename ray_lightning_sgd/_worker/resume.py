@@ -589,6 +589,13 @@ def resolve_on_rank_zero(point: ResumePoint, device: Any = None) -> ResumePoint:
             answer[0] = resolve(point)
         except RaySGDError as err:  # every rank raises it, none waits for the others
             answer[0] = err
+        except Exception as err:  # noqa: BLE001 - a storage's own error: to every rank too
+            answer[0] = RaySGDError(
+                f"rank 0 could not check the resume checkpoint {point.uri}: "
+                f"{type(err).__name__}: {err}"
+            )
+    # NCCL sends objects from each rank's own GPU; other backends from the CPU
+    device = device if dist.get_backend() == "nccl" else None
     dist.broadcast_object_list(answer, src=0, device=device)
     if isinstance(answer[0], BaseException):
         raise answer[0]

@@ -24,6 +24,8 @@ PREFIX = "ray_lightning_sgd-resume-"
 
 #: The files this process holds: path -> the open descriptor that holds its lock.
 _held: dict[str, int] = {}
+#: Of those, the folders of :func:`create_folder`: this process's alone.
+_folders: set[str] = set()
 
 #: flock's errors that say the file system has no such locks (some NFS, Lustre, FUSE mounts).
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
@@ -72,10 +74,14 @@ def create_folder() -> str:
     place, a new file the lock on the old one would not hold)."""
     while True:
         path = tempfile.mkdtemp(prefix=PREFIX, dir=folder())
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue  # another process's sweep took it before the lock: make another
         _lock_shared(fd)
         if _still_there(fd, path):
             _held[path] = fd
+            _folders.add(path)
             return path
         os.close(fd)
 
@@ -130,7 +136,8 @@ def _drop(path: str) -> None:
     fd = _held.pop(path, None)
     if fd is not None:
         os.close(fd)  # our lock goes with it
-    if _unlocked:
+    if _unlocked or path in _folders:  # a folder of our own: no other process uses it
+        _folders.discard(path)
         _remove_released(path)
     else:
         _remove_unheld(path)
