@@ -539,3 +539,27 @@ def test_a_named_run_resumes_past_a_damaged_checkpoint_as_if_never_stopped(
     ]
     assert resume.checkpoint_problem(str(damaged)) is None
     assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
+
+
+def test_a_resumed_one_cycle_schedule_that_ends_too_soon_is_said_at_once():
+    """An elastic run resumed on fewer workers takes more steps than the OneCycleLR that came
+    back from the checkpoint was sized for: it would raise at its last step."""
+    import warnings
+
+    from torch.optim.lr_scheduler import OneCycleLR
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    schedule = OneCycleLR(optimizer, max_lr=0.1, total_steps=36)  # sized on 2 workers
+
+    def trainer(steps: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            lr_scheduler_configs=[SimpleNamespace(scheduler=schedule)],
+            estimated_stepping_batches=steps, global_rank=0, world_size=1,
+        )  # fmt: skip
+
+    with pytest.warns(UserWarning, match=r"OneCycleLR\(total_steps=36\) .* takes 72 optimizer"):
+        resume.warn_schedulers_that_end_too_soon(trainer(72))  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resume.warn_schedulers_that_end_too_soon(trainer(36))  # type: ignore[arg-type]
+        resume.warn_schedulers_that_end_too_soon(trainer(18))  # type: ignore[arg-type]

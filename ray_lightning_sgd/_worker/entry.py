@@ -305,6 +305,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
                 keep_last=payload.resume_keep_last,
                 keep_folder=payload.resume_storage_kept,
                 on_preemption=payload.resume_on_preemption,
+                resumed=payload.resume is not None,
             )
             ours.append(resume_callback)  # last: an epoch's checkpoint holds the others' work
             # first: a fit stopped at a batch's start stops before the others' hooks for it

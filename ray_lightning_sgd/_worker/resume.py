@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import re
 import time
@@ -97,8 +98,10 @@ class ResumeCheckpointBase:
         keep_last: int = 2,
         keep_folder: bool = False,
         on_preemption: bool = False,
+        resumed: bool = False,
     ) -> None:
         super().__init__()
+        self._resumed = resumed  # this attempt resumes from a resume checkpoint
         self._every = every_n_epochs
         self._storage = storage
         self._keep_last = keep_last
@@ -195,6 +198,8 @@ class ResumeCheckpointBase:
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._skip, self._skip_counted = None, False  # every train loader has taken its skip
+        if self._resumed:
+            warn_schedulers_that_end_too_soon(trainer)
         # a stateful DataLoader's saved position would be one batch ahead of an in-epoch point
         if self._on_preemption and not self._watching and _steps_resume_inside(trainer):
             preemption.watched = self._watching = True
@@ -325,6 +330,34 @@ class ResumeCheckpointBase:
                 # only now: until the driver holds this one, it may restart from an older one
                 _delete_older(self._storage, point, self._keep_last)
         return point
+
+
+def warn_schedulers_that_end_too_soon(trainer: pl.Trainer) -> None:
+    """Runs on each worker of a resumed fit (rank 0 warns). A scheduler sized once from the
+    run's steps (``OneCycleLR(total_steps=trainer.estimated_stepping_batches)``) gets its size
+    back from the checkpoint; where the run now takes more steps (an elastic run on fewer
+    workers), it would raise at its last step, hours later: said now, with the fixes."""
+    sized = [
+        config.scheduler
+        for config in trainer.lr_scheduler_configs
+        if isinstance(getattr(config.scheduler, "total_steps", None), int)
+    ]
+    if not sized:
+        return
+    steps = trainer.estimated_stepping_batches  # no collective: lengths and limits
+    if not math.isfinite(steps):
+        return  # no end (max_epochs=-1): nothing to compare with
+    for scheduler in sized:
+        total = int(getattr(scheduler, "total_steps", 0))
+        if total < steps and trainer.global_rank == 0:
+            warnings.warn(
+                f"{type(scheduler).__name__}(total_steps={total}) came back from the resume "
+                f"checkpoint, but the resumed fit takes {steps:g} optimizer steps in all (on "
+                f"{trainer.world_size} workers): it will raise when it passes {total}. Size it "
+                "for the largest number of steps, or pass keep_global_batch_size=True to an "
+                "elastic run (each epoch then keeps its steps)",
+                stacklevel=2,
+            )
 
 
 class BatchStartBase:
