@@ -8,7 +8,7 @@
     trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=4))
 
 ``from ray_lightning_sgd import RaySGDStrategy`` is this class too (where ``pytorch_lightning`` is
-installed). The classes here only join the implementation (see
+installed). The classes here only join the implementation (each strategy's driver half and worker half) (see
 :mod:`ray_lightning_sgd._compat.flavour`) with this namespace's Lightning bases.
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
+from ray_lightning_sgd._boundary.precision import WorkerPrecisionBase
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
 from ray_lightning_sgd._driver.strategy import (
@@ -23,8 +25,8 @@ from ray_lightning_sgd._driver.strategy import (
     RayModelParallelStrategyBase,
     RaySGDStrategyBase,
 )
-from ray_lightning_sgd._worker.environment import RayEnvironmentBase
-from ray_lightning_sgd._worker.hardware import WorkerPrecisionBase
+from ray_lightning_sgd._worker.entry import run_on_worker
+from ray_lightning_sgd._worker.strategy import FSDPOnWorkers, ModelParallelOnWorkers, SGDOnWorkers
 from ray_lightning_sgd._worker.tune import TuneReportCallbackBase
 
 FLAVOUR = Flavour.load("pytorch_lightning")
@@ -54,6 +56,7 @@ class RayEnvironment(RayEnvironmentBase, _ClusterEnvironment):
 
 class RayLauncher(RayLauncherBase, _Launcher):
     __doc__ = RayLauncherBase.__doc__
+    worker_half = staticmethod(run_on_worker)
 
 
 class WorkerPrecision(WorkerPrecisionBase, _Precision):
@@ -70,17 +73,17 @@ class _ThisNamespace:
     precision_class: ClassVar[type[WorkerPrecisionBase]] = WorkerPrecision
 
 
-class RaySGDStrategy(_ThisNamespace, RaySGDStrategyBase, _DDPStrategy):
+class RaySGDStrategy(_ThisNamespace, SGDOnWorkers, RaySGDStrategyBase, _DDPStrategy):
     __doc__ = RaySGDStrategyBase.__doc__
 
 
 class RayModelParallelStrategy(
-    _ThisNamespace, RayModelParallelStrategyBase, _ModelParallelStrategy
+    _ThisNamespace, ModelParallelOnWorkers, RayModelParallelStrategyBase, _ModelParallelStrategy
 ):
     __doc__ = RayModelParallelStrategyBase.__doc__
 
 
-class RayFSDPStrategy(_ThisNamespace, RayFSDPStrategyBase, _FSDPStrategy):
+class RayFSDPStrategy(_ThisNamespace, FSDPOnWorkers, RayFSDPStrategyBase, _FSDPStrategy):
     __doc__ = RayFSDPStrategyBase.__doc__
 
 

@@ -19,7 +19,7 @@ from pytorch_lightning.loggers import CSVLogger
 from ray.cluster_utils import Cluster
 
 from ray_lightning_sgd import RaySGDStrategy
-from ray_lightning_sgd._worker import artifacts
+from ray_lightning_sgd._driver import artifacts
 from tests.conftest import leftovers
 from tests.helpers import TinyData, TinyModel
 
@@ -68,7 +68,7 @@ def test_rank_0_files_from_another_node_land_on_the_driver(
     folders = nodes_with_own_folders
     monkeypatch.chdir(folders["driver"])
     far = RaySGDStrategy(num_workers=1, resources_per_worker={"CPU": 1, "far": 1})
-    with caplog.at_level(logging.INFO, logger="ray_lightning_sgd._worker.artifacts"):
+    with caplog.at_level(logging.INFO, logger="ray_lightning_sgd._driver.artifacts"):
         trainer, checkpoint = _fit(far, "run")
     best = checkpoint.best_model_path
     assert best.startswith("run/") and best.endswith(".ckpt")
@@ -98,7 +98,7 @@ def test_rank_0_on_the_drivers_node_in_another_folder_sends_its_files(
 
 def test_a_shared_folder_is_not_copied(nodes_with_own_folders, tmp_path, caplog):
     far = RaySGDStrategy(num_workers=1, resources_per_worker={"CPU": 1, "far": 1})
-    with caplog.at_level(logging.INFO, logger="ray_lightning_sgd._worker.artifacts"):
+    with caplog.at_level(logging.INFO, logger="ray_lightning_sgd._driver.artifacts"):
         _, checkpoint = _fit(far, str(tmp_path / "shared"))  # absolute: the same folder on both
     assert os.path.isfile(checkpoint.best_model_path)
     assert "Copied" not in caplog.text

@@ -27,14 +27,16 @@ import torch
 from lightning_fabric.utilities.cloud_io import _atomic_save
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, WorkerDiedError, _files
-from ray_lightning_sgd._driver import runs
-from ray_lightning_sgd._worker import resume, scratch
-from ray_lightning_sgd._worker.resume import (
-    ResumeCheckpointBase,
+from ray_lightning_sgd import _scratch as scratch
+from ray_lightning_sgd._boundary import resume_points
+from ray_lightning_sgd._boundary.resume_points import (
     ResumePoint,
     checkpoint_name,
     newest_complete_point,
 )
+from ray_lightning_sgd._driver import runs
+from ray_lightning_sgd._worker import resume
+from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
 from ray_lightning_sgd.exceptions import RaySGDError
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
 
@@ -145,7 +147,7 @@ def test_a_full_disk_while_writing_keeps_the_last_whole_checkpoint(tmpfs, monkey
 def test_copies_of_rank_0s_files_on_a_full_disk_leave_the_old_ones_whole(tmpfs):
     """The driver writes the files rank 0 wrote on another node (its best checkpoint, which a
     later ``test(ckpt_path="best")`` loads) whole or not at all."""
-    from ray_lightning_sgd._worker import artifacts
+    from ray_lightning_sgd._driver import artifacts
 
     best = tmpfs / "checkpoints" / "best.ckpt"
     artifacts.write({str(best): b"epoch 0" * 1000})
@@ -165,7 +167,7 @@ def test_a_checkpoint_cut_short_is_passed_over_with_a_warning(tmp_path, caplog):
     (storage / checkpoint_name(2, 18)).write_bytes(b"")  # a file made, never written
     leftover = storage / _files.temp_name(checkpoint_name(3, 24), unique=False)
     leftover.write_bytes(b"PK")  # what a writer killed before its rename left
-    assert [p.epoch for p in resume.stored_points(str(storage))] == [0, 1, 2]
+    assert [p.epoch for p in resume_points.stored_points(str(storage))] == [0, 1, 2]
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
         point = runs.resume_named_run(str(storage), "run", {"model": "m"})
     assert point is not None and point.uri == str(whole)
@@ -173,21 +175,21 @@ def test_a_checkpoint_cut_short_is_passed_over_with_a_warning(tmp_path, caplog):
     assert not leftover.exists(), "the killed writer's temporary file stayed"
     # a restart whose point's file is damaged or gone resumes from the newest whole one
     held = ResumePoint(2, 18, uri=str(storage / checkpoint_name(2, 18)), logged_step=18)
-    fallback = resume.resolve(held)
+    fallback = resume_points.resolve(held)
     assert (fallback.epoch, fallback.uri, fallback.logged_step) == (0, str(whole), 6)
     gone = ResumePoint(5, 36, uri=str(storage / checkpoint_name(5, 36)))
-    assert resume.resolve(gone).uri == str(whole)
+    assert resume_points.resolve(gone).uri == str(whole)
     # none whole: the error says which files to delete
     whole.unlink()
     with pytest.raises(ConfigurationError, match=r"every resume checkpoint .* is damaged .*Delete"):
         runs.resume_named_run(str(storage), "run", {"model": "m"})
     with pytest.raises(RaySGDError, match="holds no other whole resume checkpoint"):
-        resume.resolve(held)
+        resume_points.resolve(held)
     # the check reads the archive's directory only: a 40 MB checkpoint's as fast as a tiny one's
     big = tmp_path / "big.ckpt"
     torch.save({"w": torch.zeros(10_000_000)}, big)
     started = time.perf_counter()
-    assert resume.checkpoint_problem(str(big)) is None
+    assert resume_points.checkpoint_problem(str(big)) is None
     assert time.perf_counter() - started < 0.5  # reading it whole takes seconds on a loaded disk
 
 
@@ -208,7 +210,7 @@ def test_older_checkpoints_go_only_once_the_driver_holds_the_new_one(
     newest = ["resume-epoch=1-step=12.ckpt"]
     assert _names(storage) == (newest if delivered else ["resume-epoch=0-step=6.ckpt", *newest])
     if not delivered:
-        assert resume.resolve(held) == held
+        assert resume_points.resolve(held) == held
     point, damaged = newest_complete_point(str(storage))
     assert point is not None and (point.epoch, damaged) == (1, [])
     # a later attempt's older checkpoint never deletes the newer one a dead attempt left
@@ -220,7 +222,7 @@ def test_older_checkpoints_go_only_once_the_driver_holds_the_new_one(
 KEEPS_A_COPY = textwrap.dedent(
     """
     import sys, time
-    from ray_lightning_sgd._worker import scratch
+    from ray_lightning_sgd import _scratch as scratch
     scratch.hold_copy(sys.argv[1], b"checkpoint")
     print("held", flush=True)
     time.sleep(300)
@@ -537,7 +539,7 @@ def test_a_named_run_resumes_past_a_damaged_checkpoint_as_if_never_stopped(
         checkpoint_name(1, 12),
         "run.json",
     ]
-    assert resume.checkpoint_problem(str(damaged)) is None
+    assert resume_points.checkpoint_problem(str(damaged)) is None
     assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
 
 

@@ -268,7 +268,7 @@ def _leave_a_driver_call(call_id: str, path: str) -> None:
     """Runs on a worker: what send_to_driver leaves in the outbox (a Tune report, say)."""
     from ray import cloudpickle
 
-    from ray_lightning_sgd._worker.events import CALL, EVENTS
+    from ray_lightning_sgd._boundary.channels import CALL, EVENTS
     from ray_lightning_sgd._worker_group.outbox import get_outbox
 
     get_outbox().open(call_id)
@@ -345,7 +345,8 @@ def test_with_slow_steps_each_batch_end_shows_its_own_loss(ray_cluster, tmp_path
 def _hand_over_a_resume_point(call_id: str, size: int) -> bool:
     """Runs on a worker, as rank 0's resume checkpoint callback does: puts a point of ``size``
     bytes in the outbox and waits until the driver holds it."""
-    from ray_lightning_sgd._worker.resume import RESUME, ResumePoint
+    from ray_lightning_sgd._boundary.channels import RESUME
+    from ray_lightning_sgd._boundary.resume_points import ResumePoint
     from ray_lightning_sgd._worker_group.outbox import get_outbox
 
     outbox = get_outbox()

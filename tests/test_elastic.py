@@ -14,10 +14,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, ResourcesUnavailableError
 from ray_lightning_sgd._backend.base import BackendConfig
+from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._driver.elastic import GrowthWatch, WorldSizes, describe
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._executor.controller import Regroup
-from ray_lightning_sgd._worker.resume import ResumePoint
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from tests.conftest import leftovers
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs

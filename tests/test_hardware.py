@@ -17,9 +17,8 @@ import torch
 from ray_lightning_sgd import RaySGDStrategy
 from ray_lightning_sgd import lightning as rls_lightning
 from ray_lightning_sgd._backend.torch import check_one_rank_per_gpu
-from ray_lightning_sgd._executor import pool
-from ray_lightning_sgd._worker.entry import GlobalState, use_own_hardware
-from ray_lightning_sgd._worker.hardware import (
+from ray_lightning_sgd._boundary.payload import GlobalState
+from ray_lightning_sgd._boundary.precision import (
     PRECISIONS,
     PrecisionChoice,
     PrecisionRequest,
@@ -28,6 +27,8 @@ from ray_lightning_sgd._worker.hardware import (
     matches,
     resolve_precision,
 )
+from ray_lightning_sgd._executor import pool
+from ray_lightning_sgd._worker.entry import use_own_hardware
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
 from ray_lightning_sgd.exceptions import ConfigurationError
 from tests.helpers import PrecisionProbe, loader, quiet_trainer_kwargs

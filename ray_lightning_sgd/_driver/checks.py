@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 from ray import cloudpickle
 
 from ray_lightning_sgd import _compat
+from ray_lightning_sgd._boundary.payload import Payload
+from ray_lightning_sgd._boundary.precision import WorkerHardware, resolve_precision
 from ray_lightning_sgd._driver.settings import LaunchSettings
 from ray_lightning_sgd._serialization import Packed, pack
-from ray_lightning_sgd._worker.entry import Payload
-from ray_lightning_sgd._worker.hardware import WorkerHardware, resolve_precision
 from ray_lightning_sgd.exceptions import ConfigurationError, SerializationError
 
 if TYPE_CHECKING:

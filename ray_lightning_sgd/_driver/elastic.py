@@ -26,8 +26,8 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._executor.controller import Regroup
-from ray_lightning_sgd._worker.resume import ResumePoint
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd._worker_group.group import start_growth_probe
 

@@ -22,11 +22,9 @@ import time
 
 import ray
 
+from ray_lightning_sgd._boundary.channels import EVENTS, OUTPUT, PROGRESS, RESUME
+from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._driver.replay import DriverReplay, OutputPrinter
-from ray_lightning_sgd._worker.events import EVENTS
-from ray_lightning_sgd._worker.output import OUTPUT
-from ray_lightning_sgd._worker.progress import PROGRESS
-from ray_lightning_sgd._worker.resume import RESUME, ResumePoint
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata

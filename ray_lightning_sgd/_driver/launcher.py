@@ -2,7 +2,7 @@
 
 Driver half. :meth:`RayLauncherBase.launch` checks the Trainer against the strategy
 (:mod:`.checks`), snapshots the driver's global state, describes the call as one
-:class:`~ray_lightning_sgd._worker.entry.Payload`, and runs it through the
+:class:`~ray_lightning_sgd._boundary.payload.Payload`, and runs it through the
 :class:`~ray_lightning_sgd._executor.controller.RunController`: each attempt pickles the payload into
 Ray's object store while it takes workers from the pool (:mod:`ray_lightning_sgd._executor.pool`),
 runs :func:`~ray_lightning_sgd._worker.entry.run_on_worker` on every worker while the run's inbox
@@ -22,16 +22,20 @@ import os
 import signal
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import ray
 from typing_extensions import override
 
-from ray_lightning_sgd import _compat
-from ray_lightning_sgd._driver import elastic, runs
+from ray_lightning_sgd import _compat, _scratch
+from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
+from ray_lightning_sgd._boundary.payload import FITTING, GlobalState, Payload
+from ray_lightning_sgd._boundary.results import WorkerOutput
+from ray_lightning_sgd._boundary.resume_points import ResumePoint
+from ray_lightning_sgd._driver import artifacts, elastic, runs
 from ray_lightning_sgd._driver import storage as _storage
 from ray_lightning_sgd._driver.checks import check_global_batch, check_trainer, pack_payload
 from ray_lightning_sgd._driver.failure import FailureConfig
@@ -42,17 +46,7 @@ from ray_lightning_sgd._driver.settings import LaunchSettings
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._executor.controller import Attempts, Regroup, RunController
 from ray_lightning_sgd._executor.executor import BackendExecutor
-from ray_lightning_sgd._serialization import unpack
-from ray_lightning_sgd._worker import artifacts, scratch
-from ray_lightning_sgd._worker.entry import (
-    FITTING,
-    GlobalState,
-    Payload,
-    WorkerOutput,
-    run_on_worker,
-)
-from ray_lightning_sgd._worker.environment import RayEnvironmentBase
-from ray_lightning_sgd._worker.resume import ResumePoint
+from ray_lightning_sgd._serialization import Packed, unpack
 from ray_lightning_sgd._worker_group import cluster, code
 from ray_lightning_sgd.exceptions import WorkerDiedError, WorkerGroupError
 
@@ -76,6 +70,11 @@ class RayLauncherBase(_Base):
     Args:
         strategy: The strategy whose worker group and backend configs the launch uses.
     """
+
+    #: The worker half: what each worker runs (the packed payload, the modules to import first)
+    #: and returns (its packed :class:`~ray_lightning_sgd._boundary.results.WorkerOutput`); each
+    #: namespace's ``RayLauncher`` names :func:`ray_lightning_sgd._worker.entry.run_on_worker`.
+    worker_half: ClassVar[staticmethod[[Packed, Sequence[str]], Packed]]
 
     def __init__(self, strategy: LaunchSettings) -> None:
         self._strategy = strategy
@@ -260,7 +259,7 @@ class RayLauncherBase(_Base):
         imports = (self._strategy.flavour.namespace,)
         try:
             results = executor.run(
-                run_on_worker, packed, imports, watch=watch, watch_interval_s=interval
+                self.worker_half, packed, imports, watch=watch, watch_interval_s=interval
             )
         except WorkerDiedError as err:
             if not err.node_id and 0 <= err.rank < len(executor.worker_group):
@@ -301,7 +300,7 @@ class RayLauncherBase(_Base):
                 finally:
                     # local copies of resume checkpoints that killed workers of this node left
                     # (workers on other nodes sweep theirs at the next copy they make)
-                    scratch.sweep()
+                    _scratch.sweep()
 
     def _start_executor(self) -> BackendExecutor:
         strategy = self._strategy

@@ -11,17 +11,11 @@ import torch.backends.cudnn
 from torch import Tensor
 
 from ray_lightning_sgd import _compat
+from ray_lightning_sgd._boundary.payload import PREDICTING
+from ray_lightning_sgd._boundary.results import Attributes, RankPredictions, WorkerOutput
+from ray_lightning_sgd._boundary.trainer_parts import callbacks_of, loop_of, shared_objects
+from ray_lightning_sgd._driver import artifacts
 from ray_lightning_sgd._serialization import Packed, unpack
-from ray_lightning_sgd._worker import artifacts
-from ray_lightning_sgd._worker.entry import (
-    PREDICTING,
-    Attributes,
-    RankPredictions,
-    WorkerOutput,
-    callbacks_of,
-    loop_of,
-    shared_objects,
-)
 from ray_lightning_sgd.exceptions import WorkerGroupError
 
 if TYPE_CHECKING:
@@ -122,7 +116,7 @@ def _restore_attributes(
 ) -> set[int]:
     """Driver side: gives the driver's callbacks, loggers, model and datamodule rank 0's
     attributes, rank 0's profiler state, and after ``fit`` rank 0's optimizers and LR schedulers (see
-    :class:`~ray_lightning_sgd._worker.entry.Attributes`); returns the ``id`` of each callback
+    :class:`~ray_lightning_sgd._boundary.results.Attributes`); returns the ``id`` of each callback
     and logger restored this way. What the driver cannot rebuild (it references an object the
     driver lacks, or fails to unpickle here) is left out with a warning that names it."""
     shared = shared_objects(trainer, model, datamodule)

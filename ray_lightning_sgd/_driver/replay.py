@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ray import cloudpickle
 
 from ray_lightning_sgd import _compat
-from ray_lightning_sgd._worker.events import CALL, Event
+from ray_lightning_sgd._boundary.channels import CALL, Event
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

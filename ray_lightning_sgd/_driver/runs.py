@@ -19,7 +19,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from ray_lightning_sgd import _files
-from ray_lightning_sgd._worker.resume import ResumePoint, fsspec_path, newest_complete_point
+from ray_lightning_sgd._boundary.resume_points import (
+    ResumePoint,
+    fsspec_path,
+    newest_complete_point,
+)
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ray_lightning_sgd._backend.torch import TorchConfig
+from ray_lightning_sgd._boundary.precision import PrecisionRequest
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver.failure import FailureConfig
-from ray_lightning_sgd._worker.hardware import PrecisionRequest
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 
 

@@ -3,7 +3,7 @@
 The strategy is a thin ``DDPStrategy``: it validates its arguments in the constructor (before Ray is
 touched), hands the launch to its launcher (:class:`~ray_lightning_sgd._driver.launcher.RayLauncherBase`), and
 reads ranks and device from its cluster environment
-(:class:`~ray_lightning_sgd._worker.environment.RayEnvironmentBase`). Everything else is Lightning's DDP.
+(:class:`~ray_lightning_sgd._boundary.environment.RayEnvironmentBase`). Everything else is Lightning's DDP.
 
 :class:`RaySGDStrategyBase` is the implementation, for either Lightning namespace;
 ``ray_lightning_sgd.pytorch_lightning.RaySGDStrategy`` and ``ray_lightning_sgd.lightning.RaySGDStrategy``
@@ -12,7 +12,6 @@ join it with that namespace's ``DDPStrategy``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import math
@@ -22,19 +21,17 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._backend.torch import TorchConfig
+from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
+from ray_lightning_sgd._boundary.precision import Family, PrecisionRequest, WorkerPrecisionBase
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
 from ray_lightning_sgd._executor import pool
-from ray_lightning_sgd._worker.environment import RayEnvironmentBase
-from ray_lightning_sgd._worker.hardware import Family, PrecisionRequest, WorkerPrecisionBase
-from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
 from ray_lightning_sgd._worker_group import cluster
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd.exceptions import ConfigurationError
@@ -283,19 +280,6 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     def _check_workers(self) -> None:
         """Raises for worker settings that this kind of strategy cannot run."""
 
-    def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
-        """Runs on each worker. A context in which ``Trainer.save_checkpoint`` writes a resume
-        checkpoint: one file, written by rank 0, that the driver keeps for restarts."""
-        return contextlib.nullcontext()
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """Runs on each worker (all of them: it may be a collective). The model's whole state
-        dict, on rank 0 at least, which the driver's model loads."""
-        module = self.lightning_module
-        if module is None:
-            raise RuntimeError(f"{type(self).__name__} has no model to take the state dict of")
-        return module.state_dict()
-
     # Lightning's accelerator connector reads this attribute while it parses the Trainer's
     # arguments, right after it has the user's precision, and before it adapts the precision to
     # the driver's machine (16-mixed becomes bf16-mixed on a driver without GPUs): the moment to
@@ -326,7 +310,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     @property
     def precision_request(self) -> PrecisionRequest:
         """The precision the user asked the Trainer for, which each worker resolves for its own
-        hardware (see :mod:`ray_lightning_sgd._worker.hardware`)."""
+        hardware (see :mod:`ray_lightning_sgd._boundary.precision`)."""
         if self._precision_request is not None:
             return self._precision_request
         plugin = self.precision_plugin  # a strategy that no Trainer's connector parsed
@@ -481,43 +465,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
                 "total number of workers"
             )
 
-    @override
-    def set_world_ranks(self) -> None:
-        # the ranks were assigned by the worker group and are already in the environment
-        self.flavour.rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
     def make_launcher(self) -> RayLauncherBase:
         """Returns the launcher Lightning uses for this strategy."""
         return self.launcher_class(self)
 
-    @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        """Runs on each worker. Lightning's, then a fit restarted from an in-epoch resume
-        checkpoint (a preemption's) skips, in its train DataLoader's first epoch, the batches
-        that epoch had trained."""
-        dataloader = super().process_dataloader(dataloader)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.training:
-            for callback in trainer.callbacks:  # type: ignore[attr-defined]
-                if isinstance(callback, ResumeCheckpointBase):
-                    callback.resume_inside_epoch(dataloader, trainer)
-        return dataloader
 
-
-class _SamplesByWorldRank:
-    """A strategy mixin: each worker reads its share of the data by its global rank among all
-    workers (Lightning's DDP and FSDP multiply nodes by a node's processes, which on Ray differ
-    from node to node)."""
-
-    world_size: int
-    global_rank: int
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-
-class RaySGDStrategyBase(_SamplesByWorldRank, RayStrategyBase):
+class RaySGDStrategyBase(RayStrategyBase):
     """Distributed data parallel training on a gang of Ray actors: Lightning's ``DDPStrategy``.
 
     Takes the arguments of :class:`RayStrategyBase` (the workers), and, as ``**ddp_kwargs``,
@@ -556,25 +509,6 @@ class _ShardedBase(RayStrategyBase):
                 "storage, or leave checkpoint_storage out to keep resume checkpoints in the driver"
             )
 
-    @override
-    def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
-        # one file that rank 0 writes, with every rank's shards gathered to it on the CPU: it
-        # travels to the driver and back as DDP's does, and loads into the sharded model on
-        # restart (torch's distributed checkpoint would leave a shard on every rank's node)
-        return _compat.whole_checkpoints(self, self.lightning_strategy().__name__)
-
-    @override
-    def full_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        # every rank takes part; rank 0 alone receives each tensor, whole and on the CPU, one
-        # parameter at a time (never the whole model in one rank's device memory)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)  # type: ignore[arg-type]
-
 
 class RayModelParallelStrategyBase(_ShardedBase):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 with ``fully_shard`` and tensor parallelism,
@@ -601,19 +535,8 @@ class RayModelParallelStrategyBase(_ShardedBase):
             raise ConfigurationError(f"{type(self).__name__} on CPU workers: {problem}")
         super()._check_workers()
 
-    @override
-    def teardown(self) -> None:
-        """Runs on each worker. Lightning's teardown, then the process groups of this call's
-        device mesh are destroyed: warm workers would otherwise gain a set on every call."""
-        super().teardown()
-        try:
-            mesh = self.device_mesh  # type: ignore[attr-defined]
-        except RuntimeError:  # the call ended before the mesh was made
-            return
-        _compat.torch.destroy_mesh_groups(mesh)
 
-
-class RayFSDPStrategyBase(_SamplesByWorldRank, _ShardedBase):
+class RayFSDPStrategyBase(_ShardedBase):
     """Lightning's ``FSDPStrategy`` (FSDP1: ``auto_wrap_policy``, activation checkpointing, CPU
     offload) on a gang of Ray actors with GPUs.
 

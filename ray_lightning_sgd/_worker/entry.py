@@ -12,38 +12,45 @@ import contextlib
 import functools
 import gc
 import importlib
-import os
-import random
 import socket
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.backends.cudnn
-from torch import Tensor
 
 from ray_lightning_sgd import _compat
-from ray_lightning_sgd._compat.flavour import Flavour
-from ray_lightning_sgd._serialization import Packed, in_band, pack, to_cpu, unpack
-from ray_lightning_sgd._worker import artifacts
-from ray_lightning_sgd._worker.environment import RayEnvironmentBase
-from ray_lightning_sgd._worker.events import EventForwarderBase, close_channel, open_channel
-from ray_lightning_sgd._worker.hardware import (
+from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
+from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, Payload
+from ray_lightning_sgd._boundary.precision import (
     WorkerHardware,
     make_plugin,
     matches,
     resolve_precision,
 )
+from ray_lightning_sgd._boundary.results import (
+    Attributes,
+    RankPredictions,
+    RankZeroResults,
+    WorkerOutput,
+)
+from ray_lightning_sgd._boundary.trainer_parts import (
+    callbacks_of,
+    loop_of,
+    public_attributes,
+    shared_objects,
+)
+from ray_lightning_sgd._compat.flavour import Flavour
+from ray_lightning_sgd._serialization import Packed, in_band, pack, to_cpu, unpack
+from ray_lightning_sgd._worker import artifacts
+from ray_lightning_sgd._worker.events import EventForwarderBase, close_channel, open_channel
 from ray_lightning_sgd._worker.output import OutputForwarder
 from ray_lightning_sgd._worker.progress import ProgressReporterBase
 from ray_lightning_sgd._worker.resume import (
     BatchStartBase,
     ResumeCheckpointBase,
-    ResumePoint,
     forget,
     logger_versions,
     materialise,
@@ -54,140 +61,6 @@ from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import Callback
-
-
-# the values of Lightning's TrainerFn, the same in both namespaces
-FITTING, VALIDATING, TESTING, PREDICTING = "fit", "validate", "test", "predict"
-
-
-#: Environment variables of the driver that Lightning's spawned processes inherit and read.
-_INHERITED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
-
-
-class Payload(NamedTuple):
-    """What goes to every worker, as one object in Ray's object store."""
-
-    trainer: pl.Trainer | None
-    function: Callable
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    global_state: GlobalState
-    #: This attempt's id: the workers' outboxes are opened under it.
-    call_id: str
-    #: Where a restarted ``fit`` resumes from.
-    resume: ResumePoint | None = None
-    #: Whether rank 0 sends its callback events to the driver.
-    forward_events: bool = False
-    #: Whether each rank notes its progress, for the driver's progress timeout.
-    report_progress: bool = False
-    #: Epochs between resume checkpoints of a ``fit``; 0: none (no restarts).
-    resume_every_n_epochs: int = 0
-    #: Whether a ``fit`` writes a resume checkpoint at the step where a worker got SIGTERM.
-    resume_on_preemption: bool = False
-    #: Where rank 0 writes them: this launch's own folder of ``checkpoint_storage`` (runs that
-    #: share the storage, Tune trials, never overwrite each other's), or None: to the driver.
-    resume_storage: str | None = None
-    #: How many resume checkpoints rank 0 keeps in ``resume_storage`` (older ones are deleted).
-    resume_keep_last: int = 2
-    #: Whether the storage folder outlives the fit (a named run, which a new driver resumes).
-    resume_storage_kept: bool = False
-    #: Where the driver expects rank 0's logs and checkpoints.
-    artifacts: artifacts.Artifacts | None = None
-    #: Whether the results travel without out-of-band buffers: the driver is a Ray Client,
-    #: whose server pickles them once more and cannot pickle the buffers Ray hands it.
-    results_in_band: bool = False
-    #: An elastic run that keeps its global batch: the most workers it may have (0: it does
-    #: not); each worker multiplies ``accumulate_grad_batches`` by that over the world size.
-    global_batch_workers: int = 0
-
-
-class RankZeroResults(NamedTuple):
-    """What rank 0 sends back: everything the driver's Trainer and model need."""
-
-    state: Any  # the TrainerState of the Trainer's namespace
-    #: The model's state dict, packed on its own so that the driver can copy it into its model
-    #: straight from Ray's object store (:func:`unpack` with ``copy=False``).
-    model_state: Packed | None
-    loop_state: dict[str, Any]
-    #: Each callback's ``state_dict()``: what the driver's callback loads when
-    #: :attr:`attributes` could not be packed for it.
-    callback_states: dict[str, dict[str, Any]]
-    #: Rank 0's objects as ``ddp``'s driver would hold them (see :func:`_attributes`).
-    attributes: Attributes
-    callback_metrics: dict[str, Any]
-    logged_metrics: dict[str, Any]
-    progress_bar_metrics: dict[str, Any]
-    should_stop: bool
-    #: Files rank 0 wrote that the driver cannot see (see :mod:`ray_lightning_sgd._worker.artifacts`).
-    files: dict[str, bytes]
-    #: Each logger's version, as rank 0 chose it.
-    logger_versions: list[Any]
-    #: ``Trainer.ckpt_path`` (the checkpoint the call restored) and whether the user set it
-    #: (see :func:`ray_lightning_sgd._compat.checkpoint_selection`).
-    checkpoint: tuple[Any, bool] = (None, False)
-
-
-class RankPredictions(NamedTuple):
-    """One rank's predictions: per dataloader, per batch, the outputs and the samples' indices."""
-
-    outputs: list[list[Any]]
-    indices: list[list[list[int]]]
-
-
-class WorkerOutput(NamedTuple):
-    """What one worker returns from :func:`run_on_worker`."""
-
-    results: Any
-    rank_zero: RankZeroResults | None
-    predictions: RankPredictions | None
-
-
-@dataclass(frozen=True)
-class GlobalState:
-    """The process-global state that Lightning's spawn launcher carries into its processes."""
-
-    use_deterministic_algorithms: bool
-    deterministic_warn_only: bool
-    cudnn_benchmark: bool
-    python_rng: Any
-    numpy_rng: Any
-    torch_rng: Tensor
-    #: The seed of torch's default generator (``torch.manual_seed`` seeds every CUDA device with
-    #: it too): a worker seeds its CUDA devices with it.
-    torch_seed: int
-    env: dict[str, str]
-
-    @classmethod
-    def capture(cls) -> GlobalState:
-        """Driver side: captures the flags, RNG states and inherited environment variables."""
-        return cls(
-            use_deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
-            deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
-            cudnn_benchmark=torch.backends.cudnn.benchmark,
-            python_rng=random.getstate(),
-            numpy_rng=np.random.get_state(),
-            torch_rng=torch.get_rng_state(),
-            torch_seed=torch.initial_seed(),
-            env={key: os.environ[key] for key in _INHERITED_ENV if key in os.environ},
-        )
-
-    def restore(self) -> None:
-        """Runs on each worker. Restores what :meth:`capture` captured."""
-        torch.use_deterministic_algorithms(
-            self.use_deterministic_algorithms, warn_only=self.deterministic_warn_only
-        )
-        torch.backends.cudnn.benchmark = self.cudnn_benchmark
-        random.setstate(self.python_rng)
-        np.random.set_state(self.numpy_rng)
-        torch.set_rng_state(self.torch_rng)
-        if torch.cuda.is_available():
-            # as a process of Lightning's ddp, which ran seed_everything itself: the CUDA
-            # generators start from the seed (the driver may have no GPU, or other ones)
-            torch.cuda.manual_seed_all(self.torch_seed)
-        for key in _INHERITED_ENV:
-            os.environ.pop(key, None)
-        os.environ.update(self.env)
 
 
 class _BatchIndexRecorderBase:
@@ -440,33 +313,6 @@ def _collect_results(
     return WorkerOutput(to_cpu(results), rank_zero, predictions)
 
 
-class Attributes(NamedTuple):
-    """Rank 0's objects that the driver holds copies of, as ``ddp``'s driver (rank 0) holds them.
-
-    Each item is packed on its own (:func:`_attributes`), so that one the driver cannot rebuild
-    costs only itself; references to the Trainer, its strategy and model, the datamodule, a layer
-    or parameter of the model, a callback or a logger travel by name (:func:`shared_objects`).
-    """
-
-    #: Each callback's ``state_key`` and its attributes (``__getstate__()``): all its state,
-    #: ``state_dict()`` or not (a checkpoint's current score, an LR finder's result).
-    callbacks: list[tuple[str, Packed]]
-    #: Each logger's attributes, or None (a CSV logger's writer appends to the fit's file).
-    loggers: list[Packed | None]
-    #: The model's and the datamodule's public attributes (and hyperparameters), set on rank 0
-    #: (an LR finder's ``lr``, a batch size finder's ``batch_size``).
-    model: dict[str, Packed]
-    datamodule: dict[str, Packed] | None
-    #: After ``fit``: the optimizers and LR scheduler configs together, over the driver's
-    #: parameters (``trainer.optimizers`` and the driver's ``save_checkpoint`` hold them).
-    optimizers: Packed | None
-    #: The profiler's attributes (``ddp``'s driver holds rank 0's set-up profiler: its
-    #: ``dirpath``, what it recorded); None where they could not be packed.
-    profiler: Packed | None
-    #: What could not be pickled and stayed on the workers (the driver warns, naming each).
-    left_out: list[str]
-
-
 def _attributes(trainer: pl.Trainer) -> Attributes:
     """Runs on rank 0. Packs :class:`Attributes`; what cannot be pickled is left out and named."""
     model = trainer.lightning_module
@@ -512,57 +358,6 @@ def _attributes(trainer: pl.Trainer) -> Attributes:
         ),
         left_out=left_out,
     )
-
-
-def shared_objects(trainer: Any, model: Any, datamodule: Any) -> dict[str, Any]:
-    """The objects that both the driver and rank 0 hold, by the name each travels under
-    (:func:`~ray_lightning_sgd._serialization.pack`'s ``shared``): a reference to one of them
-    comes back as the driver's own."""
-    names = {"trainer": trainer, "strategy": trainer.strategy, "module:": model}
-    # DDP's wrapper on a worker; the model itself on the driver
-    names["wrapped model"] = getattr(trainer.strategy, "model", None) or model
-    if datamodule is not None:
-        names["datamodule"] = datamodule
-    keys = [cb.state_key for cb in callbacks_of(trainer)]
-    for callback in callbacks_of(trainer):
-        if keys.count(callback.state_key) == 1:
-            names[f"callback:{callback.state_key}"] = callback
-    for index, logger in enumerate(trainer.loggers):
-        names[f"logger:{index}"] = logger
-    # a submodule compiled on the workers only (configure_model) has the driver's names
-    for name, module in model.named_modules():
-        names.setdefault(f"module:{name.replace('._orig_mod', '')}", module)
-    for name, parameter in model.named_parameters():
-        names[f"parameter:{name.replace('._orig_mod', '')}"] = parameter
-    return names
-
-
-def public_attributes(obj: Any) -> dict[str, Any]:
-    """An object's attributes whose names do not start with ``_`` (but its hyperparameters): what
-    user code sets on a model or datamodule. Less torch's module flag ``training`` and the
-    object's own methods (DDP's forward redirection leaves ``forward`` in the model's
-    ``__dict__``)."""
-    return {
-        key: value
-        for key, value in vars(obj).items()
-        if (not key.startswith("_") or key == "_hparams")
-        and key != "training"
-        and getattr(value, "__self__", None) is not obj
-    }
-
-
-def callbacks_of(trainer: pl.Trainer) -> list[Callback]:
-    # the Trainer sets this attribute in its callback connector, where type checkers do not see it
-    return trainer.callbacks  # type: ignore[attr-defined]
-
-
-def loop_of(trainer: pl.Trainer) -> Any:
-    return {
-        FITTING: trainer.fit_loop,
-        VALIDATING: trainer.validate_loop,
-        TESTING: trainer.test_loop,
-        PREDICTING: trainer.predict_loop,
-    }[trainer.state.fn.value]  # type: ignore[union-attr]
 
 
 def _per_dataloader(results: Any, num_dataloaders: int) -> list[list[Any]]:

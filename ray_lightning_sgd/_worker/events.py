@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ray import cloudpickle
 
 from ray_lightning_sgd import _compat
+from ray_lightning_sgd._boundary.channels import CALL, EVENTS, Event
 from ray_lightning_sgd._serialization import to_cpu
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
@@ -35,15 +36,6 @@ log = logging.getLogger(__name__)
 #: (seconds).
 FLUSH_INTERVAL_S = 0.2
 
-#: The outbox channel of events (pickled lists of :data:`Event`).
-EVENTS = "events"
-
-#: One event: the hook's name, its index arguments, rank 0's counters, and (on the last event of
-#: each batch) its metrics.
-Event = tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any] | None]
-
-#: The hook name of an event that asks the driver to run a function (:func:`send_to_driver`).
-CALL = "__call__"
 
 #: Whether a call of a RaySGDStrategy runs in this worker now.
 _open = False

@@ -8,10 +8,8 @@ import os
 import sys
 from typing import Any
 
+from ray_lightning_sgd._boundary.channels import OUTPUT
 from ray_lightning_sgd._worker_group.outbox import get_outbox
-
-#: The outbox channel of output lines: (stream name, line).
-OUTPUT = "output"
 
 
 class _LineStream(io.TextIOBase):

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ray_lightning_sgd._boundary.channels import PROGRESS
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-
-#: The outbox channel of a rank's progress: (stage, step).
-PROGRESS = "progress"
 
 
 class ProgressReporterBase:

@@ -1,0 +1,30 @@
+"""The outbox channels: what a worker leaves for the driver's polls while a call runs (see
+:mod:`ray_lightning_sgd._worker_group.outbox`), each under its name here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray_lightning_sgd._worker_group.worker import SIGTERM_NOTICE
+
+#: The outbox channel of events (pickled lists of :data:`Event`).
+EVENTS = "events"
+
+#: One event: the hook's name, its index arguments, rank 0's counters, and (on the last event of
+#: each batch) its metrics.
+Event = tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any] | None]
+
+#: The hook name of an event that asks the driver to run a function (:func:`send_to_driver`).
+CALL = "__call__"
+
+#: The outbox channel of output lines: (stream name, line).
+OUTPUT = "output"
+
+#: The outbox channel of a rank's progress: (stage, step).
+PROGRESS = "progress"
+
+#: The outbox channel of the run's latest resume point.
+RESUME = "resume"
+
+
+__all__ = ["CALL", "EVENTS", "OUTPUT", "PROGRESS", "RESUME", "SIGTERM_NOTICE", "Event"]

@@ -1,0 +1,111 @@
+"""What goes to every worker: the call, as one object in Ray's object store."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.backends.cudnn
+from torch import Tensor
+
+from ray_lightning_sgd._boundary.artifacts import Artifacts
+from ray_lightning_sgd._boundary.resume_points import ResumePoint
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+# the values of Lightning's TrainerFn, the same in both namespaces
+FITTING, VALIDATING, TESTING, PREDICTING = "fit", "validate", "test", "predict"
+
+
+#: Environment variables of the driver that Lightning's spawned processes inherit and read.
+_INHERITED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
+
+
+class Payload(NamedTuple):
+    """What goes to every worker, as one object in Ray's object store."""
+
+    trainer: pl.Trainer | None
+    function: Callable
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    global_state: GlobalState
+    #: This attempt's id: the workers' outboxes are opened under it.
+    call_id: str
+    #: Where a restarted ``fit`` resumes from.
+    resume: ResumePoint | None = None
+    #: Whether rank 0 sends its callback events to the driver.
+    forward_events: bool = False
+    #: Whether each rank notes its progress, for the driver's progress timeout.
+    report_progress: bool = False
+    #: Epochs between resume checkpoints of a ``fit``; 0: none (no restarts).
+    resume_every_n_epochs: int = 0
+    #: Whether a ``fit`` writes a resume checkpoint at the step where a worker got SIGTERM.
+    resume_on_preemption: bool = False
+    #: Where rank 0 writes them: this launch's own folder of ``checkpoint_storage`` (runs that
+    #: share the storage, Tune trials, never overwrite each other's), or None: to the driver.
+    resume_storage: str | None = None
+    #: How many resume checkpoints rank 0 keeps in ``resume_storage`` (older ones are deleted).
+    resume_keep_last: int = 2
+    #: Whether the storage folder outlives the fit (a named run, which a new driver resumes).
+    resume_storage_kept: bool = False
+    #: Where the driver expects rank 0's logs and checkpoints.
+    artifacts: Artifacts | None = None
+    #: Whether the results travel without out-of-band buffers: the driver is a Ray Client,
+    #: whose server pickles them once more and cannot pickle the buffers Ray hands it.
+    results_in_band: bool = False
+    #: An elastic run that keeps its global batch: the most workers it may have (0: it does
+    #: not); each worker multiplies ``accumulate_grad_batches`` by that over the world size.
+    global_batch_workers: int = 0
+
+
+@dataclass(frozen=True)
+class GlobalState:
+    """The process-global state that Lightning's spawn launcher carries into its processes."""
+
+    use_deterministic_algorithms: bool
+    deterministic_warn_only: bool
+    cudnn_benchmark: bool
+    python_rng: Any
+    numpy_rng: Any
+    torch_rng: Tensor
+    #: The seed of torch's default generator (``torch.manual_seed`` seeds every CUDA device with
+    #: it too): a worker seeds its CUDA devices with it.
+    torch_seed: int
+    env: dict[str, str]
+
+    @classmethod
+    def capture(cls) -> GlobalState:
+        """Driver side: captures the flags, RNG states and inherited environment variables."""
+        return cls(
+            use_deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+            deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            cudnn_benchmark=torch.backends.cudnn.benchmark,
+            python_rng=random.getstate(),
+            numpy_rng=np.random.get_state(),
+            torch_rng=torch.get_rng_state(),
+            torch_seed=torch.initial_seed(),
+            env={key: os.environ[key] for key in _INHERITED_ENV if key in os.environ},
+        )
+
+    def restore(self) -> None:
+        """Runs on each worker. Restores what :meth:`capture` captured."""
+        torch.use_deterministic_algorithms(
+            self.use_deterministic_algorithms, warn_only=self.deterministic_warn_only
+        )
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        random.setstate(self.python_rng)
+        np.random.set_state(self.numpy_rng)
+        torch.set_rng_state(self.torch_rng)
+        if torch.cuda.is_available():
+            # as a process of Lightning's ddp, which ran seed_everything itself: the CUDA
+            # generators start from the seed (the driver may have no GPU, or other ones)
+            torch.cuda.manual_seed_all(self.torch_seed)
+        for key in _INHERITED_ENV:
+            os.environ.pop(key, None)
+        os.environ.update(self.env)

@@ -1,0 +1,120 @@
+"""Runs on each worker: the strategies' methods that Lightning calls inside a worker's Trainer.
+
+A strategy of this package is two halves joined in its namespace's module
+(:mod:`ray_lightning_sgd.pytorch_lightning`, :mod:`ray_lightning_sgd.lightning`): the driver half
+(:mod:`ray_lightning_sgd._driver.strategy`: the constructor, its checks, the launcher) and the
+worker half here, one mixin per kind of strategy, placed before the driver half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from typing_extensions import override
+
+from ray_lightning_sgd import _compat
+from ray_lightning_sgd._boundary.trainer_parts import callbacks_of
+from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
+
+if TYPE_CHECKING:
+    from pytorch_lightning.strategies import DDPStrategy as _Base
+else:
+    _Base = object
+
+
+class OnWorkersBase(_Base):
+    """Runs on each worker: what every strategy of this package does inside a worker."""
+
+    @override
+    def set_world_ranks(self) -> None:
+        # the ranks were assigned by the worker group and are already in the environment
+        self.flavour.rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Runs on each worker. Lightning's, then a fit restarted from an in-epoch resume
+        checkpoint (a preemption's) skips, in its train DataLoader's first epoch, the batches
+        that epoch had trained."""
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training:
+            for callback in callbacks_of(trainer):
+                if isinstance(callback, ResumeCheckpointBase):
+                    callback.resume_inside_epoch(dataloader, trainer)
+        return dataloader
+
+    def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
+        """Runs on each worker. A context in which ``Trainer.save_checkpoint`` writes a resume
+        checkpoint: one file, written by rank 0, that the driver keeps for restarts."""
+        return contextlib.nullcontext()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Runs on each worker (all of them: it may be a collective). The model's whole state
+        dict, on rank 0 at least, which the driver's model loads."""
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(f"{type(self).__name__} has no model to take the state dict of")
+        return module.state_dict()
+
+
+class SamplesByWorldRank(_Base):
+    """Runs on each worker: each worker reads its share of the data by its global rank among all
+    workers (Lightning's DDP and FSDP multiply nodes by a node's processes, which on Ray differ
+    from node to node)."""
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+class SGDOnWorkers(SamplesByWorldRank, OnWorkersBase):
+    """Runs on each worker: RaySGDStrategy's worker half."""
+
+
+class ShardedOnWorkers(OnWorkersBase):
+    """Runs on each worker: what the sharded strategies share: the full weights gathered shard by
+    shard for the driver, and resume checkpoints saved whole."""
+
+    @override
+    def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
+        # one file that rank 0 writes, with every rank's shards gathered to it on the CPU: it
+        # travels to the driver and back as DDP's does, and loads into the sharded model on
+        # restart (torch's distributed checkpoint would leave a shard on every rank's node)
+        return _compat.whole_checkpoints(self, self.lightning_strategy().__name__)  # type: ignore[attr-defined]
+
+    @override
+    def full_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        # every rank takes part; rank 0 alone receives each tensor, whole and on the CPU, one
+        # parameter at a time (never the whole model in one rank's device memory)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)  # type: ignore[arg-type]
+
+
+class ModelParallelOnWorkers(ShardedOnWorkers):
+    """Runs on each worker: RayModelParallelStrategy's worker half."""
+
+    @override
+    def teardown(self) -> None:
+        """Runs on each worker. Lightning's teardown, then the process groups of this call's
+        device mesh are destroyed: warm workers would otherwise gain a set on every call."""
+        super().teardown()
+        try:
+            mesh = self.device_mesh  # type: ignore[attr-defined]
+        except RuntimeError:  # the call ended before the mesh was made
+            return
+        _compat.torch.destroy_mesh_groups(mesh)
+
+
+class FSDPOnWorkers(SamplesByWorldRank, ShardedOnWorkers):
+    """Runs on each worker: RayFSDPStrategy's worker half."""
+
+
+__all__ = ["FSDPOnWorkers", "ModelParallelOnWorkers", "OnWorkersBase", "SGDOnWorkers"]
