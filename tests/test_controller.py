@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_lightning_sgd._executor.controller import Attempts, Regroup, RunController, RunState
+from ray_lightning_sgd._executor.controller import Attempts, Resize, RunController, RunState
 from ray_lightning_sgd.exceptions import RaySGDError, WorkerDiedError
 
 
@@ -16,8 +16,12 @@ class FakeExecutor:
         self.stopped: bool | None = None  # True: kept warm, False: killed
 
 
+#: A script's entry for a wait that ends with the workers still running.
+RUNNING = object()
+
+
 class Script:
-    """Attempts that follow a script: each entry is what one attempt's run does."""
+    """Attempts that follow a script: each entry is what one wait for an attempt gives."""
 
     def __init__(self, *outcomes, resume_points=(), stop_error: Exception | None = None) -> None:
         self.outcomes = list(outcomes)
@@ -25,6 +29,7 @@ class Script:
         self.stop_error = stop_error
         self.executors: list[FakeExecutor] = []
         self.resumed_from: list[object] = []
+        self.waits: list[float | None] = []
 
     def start(self, resume) -> FakeExecutor:
         self.resumed_from.append(resume)
@@ -32,11 +37,12 @@ class Script:
         self.executors.append(executor)
         return executor
 
-    def run(self, executor: FakeExecutor):
+    def wait(self, executor: FakeExecutor, wait_s: float | None):
+        self.waits.append(wait_s)
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, BaseException):
             raise outcome
-        return outcome
+        return None if outcome is RUNNING else outcome
 
     def stop(self, executor: FakeExecutor, succeeded: bool) -> None:
         executor.stopped = succeeded
@@ -47,15 +53,33 @@ class Script:
         return self.resume_points.pop(0) if self.resume_points else None
 
     def controller(
-        self, max_failures: int = 0, on_restart=None, max_preemptions: int = -1
+        self, max_failures: int = 0, on_restart=None, max_preemptions: int = -1, scaling=None
     ) -> RunController:
-        attempts = Attempts(self.start, self.run, self.stop, self.resume_point)
+        attempts = Attempts(self.start, self.wait, self.stop, self.resume_point)
         return RunController(
             attempts,
             max_failures=max_failures,
             on_restart=on_restart,
             max_preemptions=max_preemptions,
+            scaling=scaling,
+            decide_every_s=0.5,
         )
+
+
+class Policy:
+    """A scaling policy that follows a script: each entry is one answer to ``decide``."""
+
+    def __init__(self, *decisions: Resize | None) -> None:
+        self.decisions = list(decisions)
+        self.asked = 0
+        self.closed = 0
+
+    def decide(self) -> Resize | None:
+        self.asked += 1
+        return self.decisions.pop(0) if self.decisions else None
+
+    def close(self) -> None:
+        self.closed += 1
 
 
 def died(rank: int = 1, preempted: bool = False) -> WorkerDiedError:
@@ -179,21 +203,33 @@ def test_preemptions_restart_without_counting_against_max_failures():
     ]
 
 
-def test_a_regroup_restarts_from_its_resume_point_without_counting_a_failure():
+def test_a_resize_restarts_from_its_resume_point_without_counting_a_failure():
     restarts = []
-    script = Script(Regroup("room for more"), died(), Regroup("again"), "done",
+    script = Script(RUNNING, died(), RUNNING, RUNNING, "done",
                     resume_points=["epoch 3", "epoch 4", "epoch 6"])  # fmt: skip
-    controller = script.controller(max_failures=1, on_restart=lambda *a: restarts.append(a))
+    policy = Policy(Resize("room for more"), None, Resize("again"))
+    controller = script.controller(
+        max_failures=1, on_restart=lambda *a: restarts.append(a), scaling=policy
+    )
     assert controller.run() == "done"
-    assert (controller.regroups, controller.failures, controller.preemptions) == (2, 1, 0)
+    assert (controller.resizes, controller.failures, controller.preemptions) == (2, 1, 0)
     assert script.resumed_from == [None, "epoch 3", "epoch 4", "epoch 6"]
-    # a regrouped attempt's workers are stopped, not kept: the next one starts other workers
+    # a resized attempt's workers are stopped, not kept: the next one starts other workers
     assert [e.stopped for e in script.executors] == [False, False, False, True]
-    assert [(type(err).__name__, count) for err, count, _ in restarts] == [
-        ("Regroup", 1),
+    assert [(type(cause).__name__, count) for cause, count, _ in restarts] == [
+        ("Resize", 1),
         ("WorkerDiedError", 1),
-        ("Regroup", 2),
+        ("Resize", 2),
     ]
+    # asked between waits of its interval, never after the results are in; closed each attempt
+    assert policy.asked == 3 and policy.closed == 4
+    assert set(script.waits) == {0.5}
+
+
+def test_without_a_scaling_policy_the_controller_waits_for_the_results_at_once():
+    script = Script("result")
+    assert script.controller().run() == "result"
+    assert script.waits == [None]
 
 
 def test_the_run_gives_up_after_max_preemptions():

@@ -280,6 +280,7 @@ def test_after_a_failure_no_queued_driver_call_runs(free_cluster, tmp_path):
     from ray_lightning_sgd import WorkerGroup, WorkerGroupConfig
     from ray_lightning_sgd._driver.inbox import RunInbox
     from ray_lightning_sgd._driver.replay import DriverReplay
+    from ray_lightning_sgd._driver.run import Run
 
     marker = tmp_path / "ran"
     group = WorkerGroup(WorkerGroupConfig(num_workers=1))
@@ -287,7 +288,7 @@ def test_after_a_failure_no_queued_driver_call_runs(free_cluster, tmp_path):
     try:
         # rank 0 sent a function to run on the driver, then the attempt failed
         group.execute(_leave_a_driver_call, "failed", str(marker))
-        inbox = RunInbox(DriverReplay(pl.Trainer(logger=False), []), None)
+        inbox = RunInbox(DriverReplay(pl.Trainer(logger=False), []), None, Run())
         inbox.attach(group, "failed")
         inbox.abandon()
         inbox.replay.fail(RuntimeError("a rank failed"))
@@ -362,12 +363,14 @@ def test_a_large_resume_point_ends_up_in_the_drivers_memory(free_cluster):
 
     from ray_lightning_sgd import WorkerGroup, WorkerGroupConfig
     from ray_lightning_sgd._driver.inbox import RunInbox
+    from ray_lightning_sgd._driver.run import Run
 
     size = 256 * 2**20
     group = WorkerGroup(WorkerGroupConfig(num_workers=1))
     group.start()
     try:
-        inbox = RunInbox(None, None)
+        run = Run()
+        inbox = RunInbox(None, None, run)
         inbox.attach(group, "call")
         [ref] = group.execute_async(_hand_over_a_resume_point, "call", size)
         while not ray.wait([ref], timeout=0.05)[0]:
@@ -375,7 +378,7 @@ def test_a_large_resume_point_ends_up_in_the_drivers_memory(free_cluster):
         assert ray.get(ref) is True, "rank 0 went on before the driver held its checkpoint"
     finally:
         group.shutdown()  # every worker is gone now
-    point = inbox.resume
+    point = run.resume
     assert point is not None and (point.epoch, point.global_step) == (3, 42)
     assert len(point.data) == size and point.data[:1] == point.data[-1:] == b"\x07"
 

@@ -15,10 +15,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, ResourcesUnavailableError
 from ray_lightning_sgd._backend.base import BackendConfig
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
-from ray_lightning_sgd._driver.elastic import GrowthWatch, WorldSizes, describe
+from ray_lightning_sgd._driver.run import Run, describe_sizes
+from ray_lightning_sgd._driver.scaling import GrowthPolicy, PlacementGroupProbe
 from ray_lightning_sgd._executor import pool
-from ray_lightning_sgd._executor.controller import Regroup
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
 from tests.conftest import leftovers
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
 
@@ -87,49 +88,83 @@ class Clock:
         return self.now
 
 
-def _wait_for_an_answer(watch: GrowthWatch, resume: ResumePoint | None) -> None:
-    deadline = time.monotonic() + 10
-    while not watch._room and time.monotonic() < deadline:  # a probe's answer is asynchronous
-        watch.check(resume)
-        time.sleep(0.05)
+class FakeProbe:
+    """A room probe whose reservations are placed once ``room`` is set, after ``answer_after``
+    reads (a placement group's answer is asynchronous)."""
+
+    def __init__(self, answer_after: int = 1) -> None:
+        self.room = False
+        self.answer_after = answer_after
+        self.started: list[int] = []
+        self.removed = 0
+        self._reads = 0
+
+    def start(self, size: int) -> object:
+        self.started.append(size)
+        self._reads = 0
+        return object()
+
+    def placed(self, reservation: object) -> bool:
+        self._reads += 1
+        return self.room and self._reads >= self.answer_after
+
+    def remove(self, reservation: object) -> None:
+        self.removed += 1
 
 
-def test_growth_waits_for_room_then_for_the_next_resume_checkpoint(free_cluster):
-    clock = Clock()
-    config = WorkerGroupConfig(num_workers=4, sizes=(4, 3, 2, 1))
-    watch = GrowthWatch(config, interval_s=30, max_epochs=10, clock=clock)
-    watch.attach(1)  # one worker, on a cluster with a CPU free
-    epoch_2 = ResumePoint(2, 20)
-    watch.check(epoch_2)
-    assert watch._probe is None, "probed before resize_interval_s passed"
+def test_growth_waits_for_room_then_for_the_next_resume_checkpoint():
+    clock, probe = Clock(), FakeProbe(answer_after=2)
+    latest: list[ResumePoint | None] = [ResumePoint(2, 20)]
+    policy = GrowthPolicy(4, 30, max_epochs=10, latest=lambda: latest[0], probe=probe, clock=clock)
+    policy.attempt_started(1)  # one worker, on a cluster with room for more
+    assert policy.decide() is None and probe.started == [], "probed before resize_interval_s"
     clock.now += 31
-    _wait_for_an_answer(watch, epoch_2)
-    assert watch._room and watch._probe is None, "the probe found no room, or was left"
-    watch.check(epoch_2)  # the checkpoint held when room appeared is not the boundary
-    watch.check(ResumePoint(9, 90))  # the last epoch's checkpoint: nothing left to train
-    watch.check(ResumePoint(3, 27, batches=3))  # a preemption's, inside an epoch: not a boundary
-    with pytest.raises(Regroup, match="after epoch 3"):
-        watch.check(ResumePoint(3, 30))
-    # the regroup found no more room (the next attempt has 1 worker again): look less often
-    watch.attach(1)
-    assert watch._next_probe == clock.now + 60
-    assert leftovers() == ([], [])
+    probe.room = True
+    assert policy.decide() is None and probe.started == [1]  # a reservation, not yet placed
+    assert policy.decide() is None, "the checkpoint held when room appeared is no boundary"
+    assert probe.removed == 1, "the placed reservation was kept"
+    for point in (ResumePoint(9, 90), ResumePoint(3, 27, batches=3)):
+        # the last epoch's (nothing left to train), a preemption's inside an epoch (no boundary)
+        latest[0] = point
+        assert policy.decide() is None
+    latest[0] = ResumePoint(3, 30)
+    decision = policy.decide()
+    assert decision is not None and "after epoch 3" in decision.reason
+    # the resize found no more room (the next attempt has 1 worker again): look less often
+    policy.attempt_started(1)
+    assert policy._next_probe == clock.now + 60
 
 
-def test_growth_finds_no_room_where_the_larger_group_cannot_be_placed(free_cluster):
-    clock = Clock()
-    # STRICT_SPREAD needs a node per worker: a one-node cluster never has room for 2
-    config = WorkerGroupConfig(num_workers=2, sizes=(2, 1), placement_strategy="STRICT_SPREAD")
-    watch = GrowthWatch(config, interval_s=1, max_epochs=None, clock=clock)
-    watch.attach(1)
+def test_growth_gives_up_a_probe_the_cluster_does_not_place_and_never_grows_at_max():
+    clock, probe = Clock(), FakeProbe()
+    policy = GrowthPolicy(2, 1, max_epochs=None, latest=lambda: ResumePoint(5, 50), probe=probe,
+                          clock=clock)  # fmt: skip
+    policy.attempt_started(1)
     clock.now += 2
-    watch.check(None)
-    assert watch._probe is not None
-    clock.now += 10  # the probe's wait is over
-    watch.check(None)
-    assert not watch._room and watch._probe is None
-    watch.check(ResumePoint(5, 50))  # no room: a checkpoint ends nothing
-    watch.close()
+    assert policy.decide() is None and len(probe.started) == 1
+    clock.now += 10  # the probe's wait is over: no room
+    assert policy.decide() is None and probe.removed == 1
+    assert policy.decide() is None, "no room: a checkpoint ends nothing"
+    probes = len(probe.started)
+    policy.attempt_started(2)  # the most workers: never probes again
+    clock.now += 100
+    assert policy.decide() is None and len(probe.started) == probes
+
+
+def test_the_placement_group_probe_finds_no_room_where_the_larger_group_cannot_be_placed(
+    free_cluster,
+):
+    # STRICT_SPREAD needs a node per worker: a one-node cluster never has room for 2; SPREAD
+    # on the two-CPU cluster has room for the second worker
+    for strategy, room in (("STRICT_SPREAD", False), ("SPREAD", True)):
+        config = WorkerGroupConfig(num_workers=2, sizes=(2, 1), placement_strategy=strategy)
+        probe = PlacementGroupProbe(config)
+        reservation = probe.start(1)
+        deadline = time.monotonic() + 5
+        while not probe.placed(reservation) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert probe.placed(reservation) is room, strategy
+        probe.remove(reservation)
     assert leftovers() == ([], [])
 
 
@@ -153,19 +188,30 @@ def test_what_keep_global_batch_size_cannot_scale_is_refused_before_ray_starts()
         trainer.fit(manual, loader())
 
 
+def _workers(size: int) -> list[WorkerMetadata]:
+    return [
+        WorkerMetadata(node_id="n", node_ip="127.0.0.1", hostname="h", pid=rank)
+        for rank in range(size)
+    ]
+
+
 def test_world_sizes_by_epoch_follow_the_attempt_that_trained_each_epoch():
-    sizes = WorldSizes()
-    sizes.attempt(None, 2)
-    sizes.attempt(ResumePoint(1, 12), 1)  # lost during epoch 3: epochs 2 and 3 retrained
-    sizes.attempt(ResumePoint(4, 36), 2)
-    by_epoch = sizes.by_epoch(7)
+    run = Run()
+    for resume, size in ((None, 2), (ResumePoint(1, 12), 1), (ResumePoint(4, 36), 2)):
+        run.resume = resume  # lost during epoch 3: epochs 2 and 3 retrained
+        run.attempt_started(_workers(size))
+    run.fit_ended(7)
+    by_epoch = run.world_sizes
     assert by_epoch == {0: 2, 1: 2, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2}
     assert (
-        describe(by_epoch) == "epochs 0-1: 2 workers; epochs 2-4: 1 worker; epochs 5-6: 2 workers"
+        describe_sizes(by_epoch)
+        == "epochs 0-1: 2 workers; epochs 2-4: 1 worker; epochs 5-6: 2 workers"
     )
     # a preemption's point inside epoch 5: that epoch ends on the restart's size
-    sizes.attempt(ResumePoint(5, 44, batches=2), 1)
-    assert sizes.by_epoch(7) == {**by_epoch, 5: 1, 6: 1}
+    run.resume_point_arrived(ResumePoint(5, 44, batches=2))
+    run.attempt_started(_workers(1))
+    run.fit_ended(7)
+    assert run.world_sizes == {**by_epoch, 5: 1, 6: 1}
 
 
 def test_a_warm_elastic_group_is_reused_only_at_the_largest_size_the_cluster_places(free_cluster):

@@ -10,8 +10,8 @@ as any rank's silence. The answers give
 - each rank's output lines, printed here tagged ``[rank R]``;
 - rank 0's callback events (and functions any rank sent with ``send_to_driver``), replayed into
   the driver's callbacks by a :class:`~ray_lightning_sgd._driver.replay.DriverReplay`;
-- the latest resume checkpoint, kept here (its bytes in the driver's memory, or its URI) for the
-  next attempt of the launch;
+- the latest resume checkpoint (its bytes in the driver's memory, or its URI) and SIGTERM notices,
+  delivered into the launch's :class:`~ray_lightning_sgd._driver.run.Run`;
 - how long ago each rank last made progress, for ``progress_timeout_s``.
 """
 
@@ -23,8 +23,8 @@ import time
 import ray
 
 from ray_lightning_sgd._boundary.channels import EVENTS, OUTPUT, PROGRESS, RESUME
-from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._driver.replay import DriverReplay, OutputPrinter
+from ray_lightning_sgd._driver.run import Run
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
@@ -44,21 +44,21 @@ _LOST_ANSWERS_S = 2.0
 
 
 class RunInbox:
-    """Driver side: polls the workers of each attempt of one launch; keeps the resume point.
+    """Driver side: polls the workers of each attempt of one launch and delivers what they send.
 
     Args:
         replay: Replays rank 0's events and runs sent functions; None for a call without a Trainer.
         progress_timeout_s: Raise :class:`WorkerTimeoutError` when a rank makes no progress for
             this long; None: never.
+        run: The launch's state, which receives the resume points and SIGTERM notices.
     """
 
-    def __init__(self, replay: DriverReplay | None, progress_timeout_s: float | None) -> None:
+    def __init__(
+        self, replay: DriverReplay | None, progress_timeout_s: float | None, run: Run
+    ) -> None:
         self.replay = replay
         self.progress_timeout_s = progress_timeout_s
-        #: The launch's latest resume point (it outlives attempts).
-        self.resume: ResumePoint | None = None
-        #: The ranks of this attempt that received SIGTERM (a preemption notice).
-        self.sigterm_ranks: set[int] = set()
+        self._run = run
         self._printer = OutputPrinter()
         self._group: WorkerGroup | None = None
         self._call_id = ""
@@ -77,7 +77,6 @@ class RunInbox:
         now = time.monotonic()
         self._group, self._call_id = group, call_id
         self._metadata = group.metadata
-        self.sigterm_ranks = set()
         self._asked = {}
         self._next_ask = dict.fromkeys(range(len(group)), now)
         self._progress_at = dict.fromkeys(range(len(group)), now)
@@ -163,11 +162,11 @@ class RunInbox:
         if lines:
             self._printer.write(rank, lines)
         if RESUME in mail.latest:
-            self.resume = mail.latest[RESUME]
+            self._run.resume_point_arrived(mail.latest[RESUME])
             # in the driver's memory now: rank 0 trains on once the next poll says so
             self._acknowledged.setdefault(rank, {})[RESUME] = mail.sequences[RESUME]
         if SIGTERM_NOTICE in mail.latest:
-            self.sigterm_ranks.add(rank)
+            self._run.sigterm_received(rank)
             log.warning("Rank %d (%s) received SIGTERM", rank, _node_of(self._metadata, rank))
             # the worker ends as soon as the driver holds the notice
             self._acknowledged.setdefault(rank, {})[SIGTERM_NOTICE] = mail.sequences[SIGTERM_NOTICE]

@@ -24,7 +24,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import ray
@@ -35,16 +35,19 @@ from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.payload import FITTING, GlobalState, Payload
 from ray_lightning_sgd._boundary.results import WorkerOutput
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
-from ray_lightning_sgd._driver import artifacts, elastic, runs
+from ray_lightning_sgd._compat.flavour import Flavour
+from ray_lightning_sgd._driver import artifacts, runs
 from ray_lightning_sgd._driver import storage as _storage
 from ray_lightning_sgd._driver.checks import check_global_batch, check_trainer, pack_payload
 from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
 from ray_lightning_sgd._driver.recovery import recover_results_in_driver
 from ray_lightning_sgd._driver.replay import DriverReplay
+from ray_lightning_sgd._driver.run import Run, describe_sizes
+from ray_lightning_sgd._driver.scaling import GrowthPolicy, PlacementGroupProbe
 from ray_lightning_sgd._driver.settings import LaunchSettings
 from ray_lightning_sgd._executor import pool
-from ray_lightning_sgd._executor.controller import Attempts, Regroup, RunController
+from ray_lightning_sgd._executor.controller import Attempts, Resize, RunController
 from ray_lightning_sgd._executor.executor import BackendExecutor
 from ray_lightning_sgd._serialization import Packed, unpack
 from ray_lightning_sgd._worker_group import cluster, code
@@ -80,8 +83,8 @@ class RayLauncherBase(_Base):
         self._strategy = strategy
         #: The attempt whose workers run now (what ``kill`` stops).
         self._attempt: _Attempt | None = None
-        #: How many workers trained each epoch of the latest ``fit``.
-        self.world_sizes: dict[int, int] = {}
+        #: The latest launch's state (its world sizes, ...); None before the first.
+        self.run: Run | None = None
 
     @property
     @override
@@ -97,136 +100,119 @@ class RayLauncherBase(_Base):
 
         With a Trainer, the driver's Trainer and model afterwards hold what the workers produced.
         """
-        strategy, failure = self._strategy, self._strategy.failure_config
-        self.world_sizes = {}
-        fitting = trainer is not None and trainer.state.fn == FITTING
-        model = args[0] if args else kwargs.get("model")
-        if trainer is not None:
-            check_trainer(trainer, strategy)
-            if fitting:
-                check_global_batch(trainer, model, strategy)
-                if failure.checkpoint_storage is not None:
-                    _check_storage(failure.checkpoint_storage, failure.run_name)
+        call = _Call(function, args, kwargs, trainer, self._strategy.flavour)
+        failure = self._strategy.failure_config
+        _check_call(call, self._strategy)
         cluster.connect()
         run_id = uuid.uuid4().hex[:12]
         storage = _run_folder(failure.checkpoint_storage, run_id, failure.run_name)
+        named = call.fitting and failure.run_name is not None and storage is not None
         with contextlib.ExitStack() as held:
-            if fitting and failure.run_name is not None and storage is not None:
-                # one driver at a time trains a named run: until this call ends
-                held.enter_context(runs.run_lock(storage, failure.run_name))
-            return self._launch(function, args, kwargs, trainer, run_id, storage, fitting, model)
-
-    def _launch(
-        self,
-        function: Callable,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        trainer: pl.Trainer | None,
-        run_id: str,
-        storage: str | None,
-        fitting: bool,
-        model: Any,
-    ) -> Any:
-        """Driver side: the launch after its checks (under a named run's lock)."""
-        strategy, failure = self._strategy, self._strategy.failure_config
-        callbacks = _driver_callbacks(trainer, strategy) if trainer is not None else []
-        inbox = _inbox_for(trainer, callbacks, failure)
-        attempt_numbers = itertools.count()
-        group_config = strategy.worker_group_config
-        sizes = elastic.WorldSizes()
-        growth = (
-            elastic.GrowthWatch(group_config, failure.resize_interval_s, trainer.max_epochs)
-            if fitting and trainer is not None and group_config.elastic
-            else None
-        )
-        first: ResumePoint | None = None
-        if fitting and failure.run_name is not None and storage is not None:
-            settings = runs.run_settings(strategy, model)
-            first = runs.resume_named_run(storage, failure.run_name, settings)
-            if first is not None and _compat.ckpt_path_of(function, args, kwargs) is not None:
-                log.warning(
-                    "fit(ckpt_path=...) is ignored: run %r resumes from its own latest resume "
-                    "checkpoint (%s); pass another run_name to start from ckpt_path",
-                    failure.run_name,
-                    first.uri,
-                )
-        # after the checks that may refuse the call: nothing of it is left on the driver's disk
-        mirror = artifacts.prepare(trainer) if trainer is not None else None
-        try:  # from here on, every path out removes the probe
-            template = Payload(
-                trainer, function, args, kwargs, GlobalState.capture(), call_id=run_id,
-                forward_events=bool(callbacks),
-                report_progress=failure.progress_timeout_s is not None and trainer is not None,
-                resume_every_n_epochs=(
-                    failure.checkpoint_every_n_epochs
-                    if failure.writes_resume_checkpoints or group_config.elastic
-                    else 0
-                ),
-                resume_on_preemption=failure.max_preemptions != 0,
-                resume_storage=storage, resume_keep_last=failure.keep_last,
-                resume_storage_kept=failure.run_name is not None, artifacts=mirror,
-                results_in_band=_compat.ray.driver_is_a_client(),
-                global_batch_workers=(
-                    group_config.num_workers
-                    if strategy.keep_global_batch_size and group_config.elastic
-                    else 0
-                ),
-            )  # fmt: skip
-
-            def start(resume: ResumePoint | None) -> _Attempt:
-                call_id = f"{run_id}-{next(attempt_numbers)}"
-                attempt = self._start_attempt(template._replace(call_id=call_id, resume=resume))
-                if attempt.executor is not None:
-                    size = len(attempt.executor.worker_group)
-                    sizes.attempt(resume, size)
-                    if growth is not None:
-                        growth.attach(size)
-                return attempt
-
-            def on_restart(err: WorkerDiedError | Regroup, failures: int, resume: Any) -> None:
-                _log_restart(err, failures, resume, failure, fitting)
-
-            controller = RunController(
-                Attempts(
-                    start=start,
-                    run=functools.partial(self._run_attempt, inbox=inbox, growth=growth),
-                    stop=functools.partial(self._stop_attempt, inbox=inbox, growth=growth),
-                    resume_point=lambda: (
-                        (inbox.resume or first) if fitting and inbox is not None else None
-                    ),
-                ),
-                max_failures=failure.max_failures,
-                on_restart=on_restart,
-                max_preemptions=failure.max_preemptions,
+            if named:  # one driver at a time trains a named run: until this call ends
+                held.enter_context(runs.run_lock(str(storage), str(failure.run_name)))
+            self.run = run = Run(
+                _stored_resume_point(call, self._strategy, storage) if named else None
             )
-            with _sigterm_raises(strategy.flavour.sigterm_exception):
-                outputs = controller.run(resume=first)
-        except BaseException as err:
-            if inbox is not None and inbox.replay is not None:
-                inbox.replay.fail(err)
-            raise
-        finally:
-            _finish_artifacts(mirror)
+            inbox = _inbox_for(call, self._strategy, run)
+            # after the checks that may refuse the call: nothing of it is left on the driver's disk
+            mirror = artifacts.prepare(trainer) if trainer is not None else None
+            try:  # from here on, every path out removes the probe
+                template = self._payload(call, run_id, storage, mirror, inbox is not None)
+                controller = self._controller(call, template, run, inbox)
+                with _sigterm_raises(self._strategy.flavour.sigterm_exception):
+                    outputs = controller.run(resume=run.resume)
+            except BaseException as err:
+                if inbox is not None and inbox.replay is not None:
+                    inbox.replay.fail(err)
+                raise
+            finally:
+                _finish_artifacts(mirror)
+        return self._bring_back(call, outputs, run)
+
+    def _payload(
+        self, call: _Call, run_id: str, storage: str | None, mirror: Any, polled: bool
+    ) -> Payload:
+        """Driver side: the call as the workers receive it, less each attempt's id and resume
+        point; the driver's global state captured now."""
+        failure, group = self._strategy.failure_config, self._strategy.worker_group_config
+        return Payload(
+            call.trainer, call.function, call.args, call.kwargs, GlobalState.capture(),
+            call_id=run_id,
+            forward_events=polled and bool(_driver_callbacks(call.trainer, self._strategy)),
+            report_progress=failure.progress_timeout_s is not None and polled,
+            resume_every_n_epochs=(
+                failure.checkpoint_every_n_epochs
+                if failure.writes_resume_checkpoints or group.elastic
+                else 0
+            ),
+            resume_on_preemption=failure.max_preemptions != 0,
+            resume_storage=storage, resume_keep_last=failure.keep_last,
+            resume_storage_kept=failure.run_name is not None, artifacts=mirror,
+            results_in_band=_compat.ray.driver_is_a_client(),
+            global_batch_workers=(
+                group.num_workers if self._strategy.keep_global_batch_size and group.elastic else 0
+            ),
+        )  # fmt: skip
+
+    def _controller(
+        self, call: _Call, template: Payload, run: Run, inbox: RunInbox | None
+    ) -> RunController[_Attempt, list[WorkerOutput], ResumePoint]:
+        """Driver side: the controller of this launch's attempts, with their functions and, for
+        an elastic ``fit``, a growth policy."""
+        failure, group = self._strategy.failure_config, self._strategy.worker_group_config
+        growth = None
+        if call.fitting and group.elastic and call.trainer is not None:
+            growth = GrowthPolicy(
+                group.num_workers, failure.resize_interval_s, call.trainer.max_epochs,
+                latest=lambda: run.resume, probe=PlacementGroupProbe(group),
+            )  # fmt: skip
+        numbers = itertools.count()
+
+        def start(resume: ResumePoint | None) -> _Attempt:
+            payload = template._replace(
+                call_id=f"{template.call_id}-{next(numbers)}", resume=resume
+            )
+            attempt = self._start_attempt(payload, run, inbox)
+            if growth is not None:
+                growth.attempt_started(run.size)
+            return attempt
+
+        def on_restart(cause: WorkerDiedError | Resize, count: int, resume: Any) -> None:
+            _log_restart(cause, count, resume, failure, call.fitting)
+
+        return RunController(
+            Attempts(
+                start=start,
+                wait=functools.partial(self._wait, run=run, inbox=inbox),
+                stop=functools.partial(self._stop_attempt, run=run, inbox=inbox),
+                resume_point=lambda: run.resume if call.fitting and inbox is not None else None,
+            ),
+            max_failures=failure.max_failures,
+            on_restart=on_restart,
+            max_preemptions=failure.max_preemptions,
+            scaling=growth,
+        )
+
+    def _bring_back(self, call: _Call, outputs: list[WorkerOutput], run: Run) -> Any:
+        """Driver side: the call's result; with a Trainer, rank 0's results put into the
+        driver's Trainer, model and datamodule."""
+        trainer = call.trainer
         if trainer is None:
             return outputs[0].results
-        datamodule = next(
-            (a for a in [*args, *kwargs.values()] if isinstance(a, strategy.flavour.datamodule)),
-            None,
-        )
-        result = recover_results_in_driver(trainer, outputs, datamodule)
+        result = recover_results_in_driver(trainer, outputs, call.datamodule)
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if isinstance(environment, RayEnvironmentBase):
             environment.ran_with(len(outputs))  # an elastic run's last size
-        if fitting:
-            self.world_sizes = sizes.by_epoch(trainer.current_epoch)
-            if group_config.elastic:
-                log.info("World size by epoch: %s", elastic.describe(self.world_sizes))
+        if call.fitting:
+            run.fit_ended(trainer.current_epoch)
+            if self._strategy.worker_group_config.elastic:
+                log.info("World size by epoch: %s", describe_sizes(run.world_sizes))
         return result
 
-    def _start_attempt(self, payload: Payload) -> _Attempt:
+    def _start_attempt(self, payload: Payload, run: Run, inbox: RunInbox | None) -> _Attempt:
         """Driver side: pickles the payload, puts it into the object store and, meanwhile, starts
-        (or takes warm) workers. Pickled first: what cannot be pickled fails before any worker
-        starts."""
+        (or takes warm) workers; then sends them the call. Pickled first: what cannot be pickled
+        fails before any worker starts."""
         packed = pack_payload(payload)
         putter = ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put")
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
@@ -237,64 +223,49 @@ class RayLauncherBase(_Base):
         except BaseException:
             shipped.cancel()  # nothing keeps the payload in the object store
             raise
-        self._attempt = _Attempt(executor, shipped, payload.call_id)
-        return self._attempt
-
-    def _run_attempt(
-        self, attempt: _Attempt, inbox: RunInbox | None, growth: elastic.GrowthWatch | None
-    ) -> list[WorkerOutput]:
-        """Driver side: runs the payload on every worker; polls them while it waits, and ends
-        an elastic attempt that can grow at its next resume checkpoint."""
-        executor = attempt.executor
-        if executor is None or attempt.shipped is None:
-            raise WorkerGroupError("an attempt runs once, after its workers started")
-        watch: Callable[[], None] | None = None
-        interval = 1.0
+        self._attempt = attempt = _Attempt(executor, shipped, payload.call_id)
+        run.attempt_started(executor.worker_group.metadata)
         if inbox is not None:
             inbox.attach(executor.worker_group, attempt.call_id)
-            watch, interval = inbox.pump, PUMP_INTERVAL_S
-            if growth is not None:
-                watch = functools.partial(_pump_and_watch_growth, inbox, growth)
-        packed = attempt.shipped.result()
         imports = (self._strategy.flavour.namespace,)
+        attempt.refs = executor.run_async(self.worker_half, shipped.result(), imports)
+        return attempt
+
+    def _wait(
+        self, attempt: _Attempt, wait_s: float | None, run: Run, inbox: RunInbox | None
+    ) -> list[WorkerOutput] | None:
+        """Driver side: waits for the workers' results up to ``wait_s`` while the inbox polls
+        them; None while they still run."""
+        executor = attempt.executor
+        if executor is None:
+            raise WorkerGroupError("an attempt is waited for while its workers run")
+        watch, interval = (None, 1.0) if inbox is None else (inbox.pump, PUMP_INTERVAL_S)
         try:
-            results = executor.run(
-                self.worker_half, packed, imports, watch=watch, watch_interval_s=interval
+            results = executor.worker_group.wait(
+                attempt.refs, wait_s, watch=watch, watch_interval_s=interval
             )
         except WorkerDiedError as err:
-            if not err.node_id and 0 <= err.rank < len(executor.worker_group):
-                # raised by a rank on behalf of another (a preemption notice it learned of)
-                err.node_id = executor.worker_group.metadata[err.rank].node_id
-            if inbox is not None and err.rank in inbox.sigterm_ranks and not err.preempted:
-                # a worker warned of its end by SIGTERM (a spot node, a drain) is preempted
-                err.preempted = True
-                err.add_note(f"Rank {err.rank} received SIGTERM before: counted as a preemption")
-            raise
+            raise run.lost(err)  # noqa: B904 - the same error, completed
+        if results is None:
+            return None
         if inbox is not None:
             inbox.finish()  # the last output and events: the workers left them before returning
         return [unpack(out) for out in results]
 
     def _stop_attempt(
-        self,
-        attempt: _Attempt,
-        succeeded: bool,
-        inbox: RunInbox | None,
-        growth: elastic.GrowthWatch | None,
+        self, attempt: _Attempt, succeeded: bool, run: Run, inbox: RunInbox | None
     ) -> None:
         """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers."""
-        attempt.shipped = None  # the payload may leave the object store
+        attempt.shipped, attempt.refs = None, []  # the payload may leave the object store
         self._attempt = None
         executor, attempt.executor = attempt.executor, None
         try:
-            if growth is not None:
-                growth.close()
             if inbox is not None:
                 inbox.abandon()  # a lost or failed attempt: what its survivors left, no calls
         finally:  # a second Ctrl-C during the above still stops the workers
             if executor is not None:
                 # a worker that received SIGTERM is about to end: not one to keep warm
-                doomed = inbox is not None and bool(inbox.sigterm_ranks)
-                keep = succeeded and self._strategy.reuse_workers and not doomed
+                keep = succeeded and self._strategy.reuse_workers and not run.doomed
                 try:
                     pool.release(executor, keep=keep, graceful=succeeded)
                 finally:
@@ -321,6 +292,7 @@ class RayLauncherBase(_Base):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_attempt"] = None  # the driver's handles stay on the driver
+        state["run"] = None
         return state
 
 
@@ -331,23 +303,75 @@ class _Attempt:
     executor: BackendExecutor | None
     shipped: Future[ray.ObjectRef] | None
     call_id: str
+    #: The workers' futures of the call, once sent.
+    refs: list[ray.ObjectRef] = field(default_factory=list)
 
 
-def _pump_and_watch_growth(inbox: RunInbox, growth: elastic.GrowthWatch) -> None:
-    """Driver side, while an elastic attempt runs: polls the workers, then raises ``Regroup``
-    if the run can grow and a new resume checkpoint is in the driver's hands."""
-    inbox.pump()
-    growth.check(inbox.resume)
+@dataclass(frozen=True)
+class _Call:
+    """Driver side: the Trainer entry point a launch runs, as Lightning handed it over."""
+
+    function: Callable
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    trainer: pl.Trainer | None
+    flavour: Flavour
+
+    @property
+    def fitting(self) -> bool:
+        return self.trainer is not None and self.trainer.state.fn == FITTING
+
+    @property
+    def model(self) -> Any:
+        return self.args[0] if self.args else self.kwargs.get("model")
+
+    @property
+    def datamodule(self) -> Any:
+        """The call's datamodule, if one was passed."""
+        values = [*self.args, *self.kwargs.values()]
+        return next((a for a in values if isinstance(a, self.flavour.datamodule)), None)
 
 
-def _inbox_for(
-    trainer: pl.Trainer | None, callbacks: list[Callback], failure: FailureConfig
-) -> RunInbox | None:
+def _check_call(call: _Call, strategy: LaunchSettings) -> None:
+    """Driver side, before Ray is touched: raises for a Trainer, model or storage the strategy
+    cannot run."""
+    if call.trainer is None:
+        return
+    check_trainer(call.trainer, strategy)
+    if call.fitting:
+        check_global_batch(call.trainer, call.model, strategy)
+        failure = strategy.failure_config
+        if failure.checkpoint_storage is not None:
+            _check_storage(failure.checkpoint_storage, failure.run_name)
+
+
+def _stored_resume_point(
+    call: _Call, strategy: LaunchSettings, storage: str | None
+) -> ResumePoint | None:
+    """Driver side: where a named run's ``fit`` resumes: its latest stored resume point."""
+    name = str(strategy.failure_config.run_name)
+    settings = runs.run_settings(strategy, call.model)
+    point = runs.resume_named_run(str(storage), name, settings)
+    if (
+        point is not None
+        and _compat.ckpt_path_of(call.function, call.args, call.kwargs) is not None
+    ):
+        log.warning(
+            "fit(ckpt_path=...) is ignored: run %r resumes from its own latest resume "
+            "checkpoint (%s); pass another run_name to start from ckpt_path",
+            name,
+            point.uri,
+        )
+    return point
+
+
+def _inbox_for(call: _Call, strategy: LaunchSettings, run: Run) -> RunInbox | None:
     """Driver side: where the workers' output, events, progress and resume points arrive; None
     for a call without a Trainer (a plain function has no callbacks to report through)."""
-    if trainer is None:
+    if call.trainer is None:
         return None
-    return RunInbox(DriverReplay(trainer, callbacks), failure.progress_timeout_s)
+    replay = DriverReplay(call.trainer, _driver_callbacks(call.trainer, strategy))
+    return RunInbox(replay, strategy.failure_config.progress_timeout_s, run)
 
 
 def _driver_code() -> code.DriverCode:
@@ -392,9 +416,11 @@ def _finish_artifacts(mirror: Any) -> None:
         log.warning("Could not remove the artifacts' probe file", exc_info=True)
 
 
-def _driver_callbacks(trainer: pl.Trainer, strategy: LaunchSettings) -> list[Callback]:
+def _driver_callbacks(trainer: pl.Trainer | None, strategy: LaunchSettings) -> list[Callback]:
     """Driver side: the callbacks that run on the driver: the Trainer's progress bar (the workers
     run none) and the strategy's ``driver_callbacks``."""
+    if trainer is None:
+        return []
     bar = trainer.progress_bar_callback
     return ([] if bar is None else [bar]) + list(strategy.driver_callbacks)
 
@@ -439,13 +465,13 @@ def _from_ray(handler: Callable[..., Any]) -> bool:
 
 
 def _log_restart(
-    err: WorkerDiedError | Regroup,
+    err: WorkerDiedError | Resize,
     failures: int,
     resume: ResumePoint | None,
     failure: FailureConfig,
     fitting: bool,
 ) -> None:
-    if isinstance(err, Regroup):
+    if isinstance(err, Resize):
         log.info("Regroup %d: %s", failures, err)
         return
     name, budget = ("max_failures", failure.max_failures)

@@ -349,8 +349,8 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     def world_sizes(self) -> dict[int, int]:
         """Driver side: how many workers trained each epoch of the latest ``fit`` (an elastic
         run's size changes between epochs); empty before any ``fit``."""
-        launcher = getattr(self, "_launcher", None)
-        return dict(launcher.world_sizes) if isinstance(launcher, RayLauncherBase) else {}
+        run = self.launcher.run if isinstance(self.launcher, RayLauncherBase) else None
+        return dict(run.world_sizes) if run is not None else {}
 
     @property
     def num_cpus_per_worker(self) -> float:

@@ -1,28 +1,30 @@
-"""The run controller: a call's attempts, its restarts and their budget, and clean-up on every path.
+"""The run controller: a call's attempts, its restarts and resizes, and clean-up on every path.
 
 One call of a Trainer entry point is one *run*; each time the workers start and run it is an
-*attempt*. The controller starts an executor (new or warm), runs the attempt, and stops or keeps
-the executor, then decides what comes next from what the attempt raised:
+*attempt*. The controller starts an executor (new or warm), waits for the attempt while it asks
+the run's scaling policy whether to resize, and stops or keeps the executor, then decides what
+comes next:
 
 ```
 NEW -> RUNNING -> SUCCEEDED
-          |  ^
-          v  |  a worker was lost, within max_failures; or the attempt asked to regroup (an
-          |  |  elastic run with room to grow): the next attempt resumes
-       RESTARTING
-          |
-          v  anything else (a user exception, a stall, the budget spent, Ctrl-C)
-        FAILED
+        | ^  ^
+        | |  +-- RESIZING: the scaling policy decided on other workers (an elastic run with
+        | |      room to grow): the attempt ends, the next resumes from the run's resume point
+        v |
+     RESTARTING: a worker was lost, within max_failures (or max_preemptions): the next
+        |        attempt resumes
+        v  anything else (a user exception, a stall, the budget spent, Ctrl-C)
+      FAILED
 ```
 
 Only a lost worker (:class:`WorkerDiedError`) is retried, within ``max_failures``, or within
-``max_preemptions`` when Ray reported its node preempted; an attempt that raises :class:`Regroup`
-restarts without counting against either; an exception raised by user code on a
-rank is raised at once, as a retry would raise it again. An error while stopping the executor never
-replaces the error that ended the attempt: it is added to it as a note.
+``max_preemptions`` when its node was preempted; a resize counts against neither; an exception
+raised by user code on a rank is raised at once, as a retry would raise it again. An error while
+stopping the executor never replaces the error that ended the attempt: it is added to it as a
+note.
 
-The controller knows nothing of Ray or Lightning: the launcher gives it functions, and the tests
-give it fakes.
+The controller knows nothing of Ray or Lightning: the launcher gives it functions and a policy,
+and the tests give it fakes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from ray_lightning_sgd.exceptions import RaySGDError, WorkerDiedError
 
@@ -42,9 +44,28 @@ R = TypeVar("R")  # an attempt's result
 P = TypeVar("P")  # where a restarted attempt resumes from
 
 
-class Regroup(Exception):
-    """Raised by an attempt that should end so that the next one starts with other workers (an
-    elastic run that can grow); not a failure."""
+@dataclass(frozen=True)
+class Resize:
+    """A scaling policy's decision: end this attempt, and start the next one (from the run's
+    resume point) with as many workers as the cluster places then."""
+
+    #: Why, for the driver's log.
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+class ScalingPolicy(Protocol):
+    """What the controller asks, while an attempt runs, whether the run should take other
+    workers (Ray Train v2's ``ScalingPolicy``); driver side."""
+
+    def decide(self) -> Resize | None:
+        """Asked about every ``decide_every_s`` while the attempt runs: a :class:`Resize`
+        ends it; None lets it run on."""
+
+    def close(self) -> None:
+        """The attempt ended: frees what the policy holds for it."""
 
 
 class RunState(enum.Enum):
@@ -53,6 +74,7 @@ class RunState(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     RESTARTING = "restarting"
+    RESIZING = "resizing"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
 
@@ -63,14 +85,16 @@ class Attempts(Generic[E, R, P]):
 
     Args:
         start: Starts (or takes a warm) executor for an attempt that resumes from the given
-            point (None: from the start).
-        run: Runs the call on the executor's workers; returns their results.
+            point (None: from the start), and sends it the call.
+        wait: Waits for the attempt's results up to the given seconds (None: until they are
+            in); returns them, or None while the workers still run; raises what ended it.
         stop: Stops the executor, or keeps it warm when the attempt succeeded (the flag).
-        resume_point: After a lost worker, where the next attempt resumes from (None: the start).
+        resume_point: After a lost worker or a resize, where the next attempt resumes from
+            (None: the start).
     """
 
     start: Callable[[P | None], E]
-    run: Callable[[E], R]
+    wait: Callable[[E, float | None], R | None]
     stop: Callable[[E, bool], None]
     resume_point: Callable[[], P | None]
 
@@ -84,18 +108,25 @@ class RunController(Generic[E, R, P]):
             validated by ``FailureConfig``; preemptions do not count.
         max_preemptions: How many restarts after a preempted node are allowed (-1: no limit).
         on_restart: Called before each restart with what ended the attempt (a
-            :class:`WorkerDiedError` or a :class:`Regroup`), how many of its kind so far, and
+            :class:`WorkerDiedError` or a :class:`Resize`), how many of its kind so far, and
             the resume point (for the user's log).
+        scaling: Asked while an attempt runs whether the run should take other workers; None:
+            its size stays.
+        decide_every_s: About how often the scaling policy is asked.
     """
 
     def __init__(
         self,
         attempts: Attempts[E, R, P],
         max_failures: int = 0,
-        on_restart: Callable[[WorkerDiedError | Regroup, int, P | None], None] | None = None,
+        on_restart: Callable[[WorkerDiedError | Resize, int, P | None], None] | None = None,
         max_preemptions: int = -1,
+        scaling: ScalingPolicy | None = None,
+        decide_every_s: float = 1.0,
     ) -> None:
         self._attempts = attempts
+        self._scaling = scaling
+        self._decide_every_s = decide_every_s
         self._max_failures = max_failures
         self._max_preemptions = max_preemptions
         self._on_restart = on_restart
@@ -104,8 +135,8 @@ class RunController(Generic[E, R, P]):
         self.failures = 0
         #: How many attempts lost a worker to a preempted node.
         self.preemptions = 0
-        #: How many attempts ended to regroup.
-        self.regroups = 0
+        #: How many attempts ended to resize.
+        self.resizes = 0
 
     def run(self, resume: P | None = None) -> R:
         """Runs attempts until one succeeds (returns its result) or the run fails (raises); the
@@ -115,12 +146,9 @@ class RunController(Generic[E, R, P]):
         while True:
             self.state = RunState.RUNNING
             try:
-                result = self._attempt(resume)
-            except (WorkerDiedError, Regroup) as err:
-                if isinstance(err, Regroup):
-                    self.regroups += 1
-                    count = self.regroups
-                elif err.preempted:
+                outcome = self._attempt(resume)
+            except WorkerDiedError as err:
+                if err.preempted:
                     self.preemptions += 1
                     count = self.preemptions
                 else:
@@ -129,36 +157,64 @@ class RunController(Generic[E, R, P]):
                 if not self._may_restart():
                     self.state = RunState.FAILED
                     raise
-                self.state = RunState.RESTARTING
-                try:
-                    resume = self._attempts.resume_point()
-                except BaseException:
-                    self.state = RunState.FAILED
-                    raise
-                if self._on_restart is not None:
-                    self._on_restart(err, count, resume)
+                resume = self._next(RunState.RESTARTING, err, count)
                 continue
             except BaseException:
                 self.state = RunState.FAILED
                 raise
+            if isinstance(outcome, Resize):
+                self.resizes += 1
+                resume = self._next(RunState.RESIZING, outcome, self.resizes)
+                continue
             self.state = RunState.SUCCEEDED
-            return result
+            return outcome
+
+    def _next(self, state: RunState, cause: WorkerDiedError | Resize, count: int) -> P | None:
+        """Between two attempts: where the next one resumes from, told to ``on_restart``."""
+        self.state = state
+        try:
+            resume = self._attempts.resume_point()
+        except BaseException:
+            self.state = RunState.FAILED
+            raise
+        if self._on_restart is not None:
+            self._on_restart(cause, count, resume)
+        return resume
 
     def _may_restart(self) -> bool:
         failures_ok = self._max_failures == -1 or self.failures <= self._max_failures
         preemptions_ok = self._max_preemptions == -1 or self.preemptions <= self._max_preemptions
         return failures_ok and preemptions_ok
 
-    def _attempt(self, resume: P | None) -> R:
+    def _attempt(self, resume: P | None) -> R | Resize:
+        """One attempt: its results, or the scaling policy's decision that ended it."""
         executor = self._attempts.start(resume)
         try:
-            result = self._attempts.run(executor)
+            outcome = self._wait(executor)
         except BaseException as err:
             # after a failure the survivors may be stuck in a collective: the executor is killed
             self._stop(executor, succeeded=False, error=err)
             raise
-        self._stop(executor, succeeded=True, error=None)
-        return result
+        finally:
+            if self._scaling is not None:
+                self._scaling.close()
+        # a resized attempt's workers are mid-training: stopped, never kept
+        self._stop(executor, succeeded=not isinstance(outcome, Resize), error=None)
+        return outcome
+
+    def _wait(self, executor: E) -> R | Resize:
+        if self._scaling is None:
+            result = self._attempts.wait(executor, None)
+            if result is None:
+                raise RaySGDError("an attempt waited for without a time limit returned nothing")
+            return result
+        while True:
+            result = self._attempts.wait(executor, self._decide_every_s)
+            if result is not None:
+                return result
+            decision = self._scaling.decide()
+            if decision is not None:
+                return decision
 
     def _stop(self, executor: E, succeeded: bool, error: BaseException | None) -> None:
         try:
@@ -173,4 +229,4 @@ class RunController(Generic[E, R, P]):
                 log.warning("Could not keep or stop the workers after the call: %s", stop_error)
 
 
-__all__ = ["Attempts", "Regroup", "RunController", "RunState"]
+__all__ = ["Attempts", "Resize", "RunController", "RunState", "ScalingPolicy"]

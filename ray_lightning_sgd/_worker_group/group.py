@@ -259,6 +259,25 @@ class WorkerGroup:
             watch_interval_s=watch_interval_s,
         )
 
+    def wait(
+        self,
+        refs: Sequence[ray.ObjectRef],
+        wait_s: float | None,
+        watch: Callable[[], None] | None = None,
+        watch_interval_s: float = _WATCH_INTERVAL_S,
+    ) -> list[Any] | None:
+        """Driver side: as :meth:`get`, but after ``wait_s`` (None: never) returns None while
+        a worker still runs, where :meth:`get` raises."""
+        return self._get(
+            refs,
+            timeout_s=wait_s,
+            what="finish",
+            metadata=[worker.metadata for worker in self._workers],
+            watch=watch,
+            watch_interval_s=watch_interval_s,
+            give_up=False,
+        )
+
     def shutdown(self) -> None:
         """Driver side: kills every worker and frees the placement group. Never blocks for long."""
         if self._state is _State.SHUTDOWN:
@@ -388,6 +407,7 @@ class WorkerGroup:
         metadata: Sequence[WorkerMetadata],
         watch: Callable[[], None] | None = None,
         watch_interval_s: float = _WATCH_INTERVAL_S,
+        give_up: bool = True,
     ) -> list[Any]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = list(refs)
@@ -401,6 +421,8 @@ class WorkerGroup:
                 if watch is not None:
                     watch()
                 continue
+            if not ready and not give_up:
+                return None  # type: ignore[return-value]  # (wait's answer: still running)
             if not ready:
                 raise WorkerTimeoutError(
                     f"the workers of {self._name} did not {what} within {timeout_s:.1f}s"
