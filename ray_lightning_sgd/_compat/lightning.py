@@ -12,9 +12,13 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd import _files
+
+if TYPE_CHECKING:
+    # for type checkers, the standalone namespace's interface; launcher_interface gives either
+    from pytorch_lightning.strategies.launchers.launcher import _Launcher as LauncherInterface
 
 #: Where each Lightning namespace keeps its (private) launcher interface.
 _LAUNCHER_MODULE = "{namespace}.strategies.launchers.launcher"
@@ -23,10 +27,10 @@ _LAUNCHER_MODULE = "{namespace}.strategies.launchers.launcher"
 _LAUNCHER_CLASS = "_Launcher"
 
 
-def launcher_interface(namespace: str) -> type:
+def launcher_interface(namespace: str) -> type[LauncherInterface]:
     """Lightning's launcher interface (``_Launcher``) in ``namespace``: the base of a launcher."""
     module = importlib.import_module(_LAUNCHER_MODULE.format(namespace=namespace))
-    cls: type = getattr(module, _LAUNCHER_CLASS)
+    cls: type[LauncherInterface] = getattr(module, _LAUNCHER_CLASS)
     return cls
 
 
