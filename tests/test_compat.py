@@ -282,21 +282,21 @@ def test_lightning_connector_reads_the_strategys_precision_while_parsing_the_arg
     )
     seen = []
 
-    class Probe:
-        @property
-        def _precision_plugin(self):
-            seen.append(_compat.trainer_arguments_being_parsed())
-            return None
+    class Probe(_compat.InterceptPrecisionPlugin):
+        def read_precision_plugin(self, own, arguments):
+            seen.append(arguments)
+            return own
 
     probe = Probe()
-    assert probe._precision_plugin is None and seen == [None], "read outside the parse: nothing"
+    attribute = _compat.lightning.PRECISION_PLUGIN_ATTRIBUTE
+    assert getattr(probe, attribute) is None and seen == [None], "read outside the parse: nothing"
     pl = importlib.import_module(namespace)
     strategy = (rls_pl if namespace == "pytorch_lightning" else rls_lightning).RaySGDStrategy
     trainer_strategy = strategy(num_workers=1)
     # on this CPU machine Lightning turns 16-mixed into bf16-mixed after the capture
     pl.Trainer(strategy=trainer_strategy, precision=16, accelerator="cpu", logger=False)
     assert trainer_strategy.precision_request.precision == "16-mixed", (
-        f"{namespace}'s accelerator connector no longer reads strategy._precision_plugin in "
+        f"{namespace}'s accelerator connector no longer reads strategy.{attribute} in "
         "_check_config_and_set_final_flags after setting _precision_flag, _precision_plugin_flag "
         "and _accelerator_flag; update _compat.trainer_arguments_being_parsed"
     )
@@ -384,3 +384,183 @@ def test_an_unbuilt_lazy_instance_travels_built_and_a_built_one_as_it_is():
     built.recorded_durations["step"].append(1.0)
     assert unpack(pack(built)).recorded_durations["step"] == [1.0]  # its state travels
     unbuilt._lazy_init()  # collected unbuilt, the test's own would fail as the copies did
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_strategy_keeps_its_precision_plugin_in_the_intercepted_attribute(namespace):
+    attribute = _compat.lightning.PRECISION_PLUGIN_ATTRIBUTE
+    strategies = importlib.import_module(f"{namespace}.strategies")
+    plugin = importlib.import_module(f"{namespace}.plugins").Precision()
+    lightning_strategy = strategies.DDPStrategy()
+    lightning_strategy.precision_plugin = plugin
+    assert vars(lightning_strategy).get(attribute) is plugin, (
+        f"{namespace}.strategies.Strategy no longer keeps its precision plugin in {attribute}; "
+        "update _compat.InterceptPrecisionPlugin and _compat.trainer_arguments_being_parsed"
+    )
+    vars(lightning_strategy)[attribute] = None
+    assert lightning_strategy.precision_plugin is not plugin, (
+        f"{namespace}.strategies.Strategy.precision_plugin no longer reads {attribute}; "
+        "update _compat.InterceptPrecisionPlugin"
+    )
+    connectors = importlib.import_module(f"{namespace}.trainer.connectors.accelerator_connector")
+    parse = getattr(connectors._AcceleratorConnector, _compat.lightning._PARSE_METHOD)
+    assert f"self._strategy_flag.{attribute}" in inspect.getsource(parse), (
+        f"{namespace}'s accelerator connector no longer reads the strategy's {attribute}; "
+        "update _compat.InterceptPrecisionPlugin and _compat.trainer_arguments_being_parsed"
+    )
+    ours = (rls_pl if namespace == "pytorch_lightning" else rls_lightning).RaySGDStrategy()
+    ours.precision_plugin = plugin  # through Lightning's setter: it writes the attribute
+    assert attribute not in vars(ours) and getattr(ours, attribute) is plugin
+    assert ours.precision_plugin is plugin
+
+
+@pytest.fixture(scope="module", params=NAMESPACES)
+def fitted(request, tmp_path_factory):
+    """A Trainer of each namespace after a short fit on the CPU (4 batches), and its namespace."""
+    namespace = request.param
+    pl = importlib.import_module(namespace)
+    boring = importlib.import_module(f"{namespace}.demos.boring_classes")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path_factory.mktemp("fit"),
+    )
+    trainer.fit(boring.BoringModel())
+    return trainer, namespace
+
+
+def test_lightning_checkpoints_keep_the_fit_loops_batch_counts_where_expected(fitted, tmp_path):
+    import torch
+
+    trainer, namespace = fitted
+    lightning = _compat.lightning
+    epoch_loop = trainer.fit_loop.epoch_loop
+    assert getattr(epoch_loop, lightning._BATCHES_THAT_STEPPED, None) == 4, (
+        f"{namespace}'s _TrainingEpochLoop.{lightning._BATCHES_THAT_STEPPED} moved; update "
+        "_compat.logged_step and _compat.show_as_saved_at_batch_end"
+    )
+    assert _compat.logged_step(trainer) == 4
+    trainer.save_checkpoint(tmp_path / "fit.ckpt")
+    checkpoint = torch.load(tmp_path / "fit.ckpt", weights_only=False)
+    loop = checkpoint["loops"].get(lightning._FIT_LOOP_STATE, {})
+    for key in (lightning._BATCH_PROGRESS_STATE, lightning._EPOCH_LOOP_STATE):
+        assert key in loop, (
+            f"{namespace}'s checkpoints keep no loops['{lightning._FIT_LOOP_STATE}']['{key}'] any "
+            "more; update _compat.show_as_saved_at_batch_end"
+        )
+    progress, state = loop[lightning._BATCH_PROGRESS_STATE], loop[lightning._EPOCH_LOOP_STATE]
+    assert state.get(lightning._BATCHES_THAT_STEPPED) == 4, (
+        f"{namespace}'s epoch loop state keeps no {lightning._BATCHES_THAT_STEPPED} any more; "
+        "update _compat.show_as_saved_at_batch_end"
+    )
+    for scope in lightning._BATCH_COUNT_SCOPES:
+        for name in ("ready", "completed"):
+            assert progress.get(scope, {}).get(name) == 4, (
+                f"{namespace}'s checkpoints keep no batch_progress['{scope}']['{name}'] any more; "
+                "update _compat.show_as_saved_at_batch_end"
+            )
+    assert progress.get("is_last_batch") is True, (
+        f"{namespace}'s checkpoints keep no batch_progress['is_last_batch'] any more; update "
+        "_compat.show_as_saved_at_batch_end"
+    )
+    _compat.show_as_saved_at_batch_end(checkpoint)
+    assert [progress[scope]["ready"] for scope in ("total", "current")] == [3, 3]
+    assert [progress[scope]["completed"] for scope in ("total", "current")] == [3, 3]
+    assert progress["is_last_batch"] is False and state[lightning._BATCHES_THAT_STEPPED] == 3
+    restored = type(epoch_loop.batch_progress)()
+    restored.load_state_dict(progress)
+    assert (restored.total.ready, restored.current.completed) == (3, 3), (
+        f"{namespace}'s batch_progress no longer loads the counts a checkpoint keeps; update "
+        "_compat.show_as_saved_at_batch_end"
+    )
+
+
+def test_lightning_epoch_loop_keeps_its_batch_counts_where_expected(fitted):
+    trainer, namespace = fitted
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    lightning = _compat.lightning
+    before = {}
+    for scope in lightning._BATCH_COUNT_SCOPES:
+        for name in lightning._BATCH_COUNTS:
+            value = getattr(getattr(progress, scope, None), name, None)
+            assert isinstance(value, int), (
+                f"{namespace}'s _TrainingEpochLoop.batch_progress.{scope}.{name} moved; update "
+                "_compat.shift_batch_counts"
+            )
+            before[scope, name] = value
+    _compat.shift_batch_counts(trainer, -2)
+    try:
+        for (scope, name), value in before.items():
+            assert getattr(getattr(progress, scope), name) == value - 2
+    finally:
+        _compat.shift_batch_counts(trainer, 2)
+
+
+def test_lightning_fit_loop_keeps_its_combined_loader_where_expected(fitted):
+    from torch.utils.data import DataLoader
+
+    trainer, namespace = fitted
+    fresh = importlib.import_module(namespace).Trainer(logger=False, enable_progress_bar=False)
+    attribute = _compat.lightning._COMBINED_LOADER
+    assert hasattr(fresh.fit_loop, attribute), (
+        f"{namespace}'s _FitLoop.{attribute} moved; update _compat.train_combined_loader"
+    )
+    assert _compat.train_combined_loader(fresh) is None
+    combined = _compat.train_combined_loader(trainer)
+    flattened = getattr(combined, "flattened", None)
+    assert isinstance(flattened, list) and isinstance(flattened[0], DataLoader), (
+        f"{namespace}'s _FitLoop.{attribute} no longer holds the fit's train iterables (a "
+        "CombinedLoader's flattened); update _compat.train_combined_loader"
+    )
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_keeps_hyperparameters_where_expected(namespace):
+    pl = importlib.import_module(namespace)
+    attribute = _compat.HPARAMS_ATTRIBUTE
+
+    class Module(pl.LightningModule):
+        def __init__(self, width: int = 3) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    class Data(pl.LightningDataModule):
+        def __init__(self, batch_size: int = 2) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    for obj, hparams in ((Module(), {"width": 3}), (Data(), {"batch_size": 2})):
+        assert vars(obj).get(attribute) == hparams, (
+            f"{namespace}'s {type(obj).__mro__[1].__name__} no longer keeps its hyperparameters "
+            f"in {attribute}; update _compat.HPARAMS_ATTRIBUTE"
+        )
+        assert obj.hparams is vars(obj)[attribute], (
+            f"{namespace}'s hparams no longer reads {attribute}; update _compat.HPARAMS_ATTRIBUTE"
+        )
+
+
+def test_torch_compile_keeps_the_compiled_module_where_expected():
+    import torch
+
+    attribute = _compat.torch.COMPILED_MODULE_ATTRIBUTE
+    inner = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.compile(inner))
+    assert getattr(model[0], attribute, None) is inner, (
+        f"torch.compile's OptimizedModule no longer keeps the module it compiled in {attribute}; "
+        "update _compat.torch.uncompiled_name"
+    )
+    uncompiled = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    names = [_compat.torch.uncompiled_name(name) for name, _ in model.named_parameters()]
+    assert names == [name for name, _ in uncompiled.named_parameters()], (
+        f"a compiled submodule's weights are no longer named <name>.{attribute}.<...>; update "
+        "_compat.torch.uncompiled_name"
+    )
+    state = {_compat.torch.uncompiled_name(key) for key in model.state_dict()}
+    assert state == set(uncompiled.state_dict())

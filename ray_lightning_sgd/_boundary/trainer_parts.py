@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ray_lightning_sgd import _compat
 from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, TESTING, VALIDATING
 
 if TYPE_CHECKING:
@@ -29,9 +30,9 @@ def shared_objects(trainer: Any, model: Any, datamodule: Any) -> dict[str, Any]:
         names[f"logger:{index}"] = logger
     # a submodule compiled on the workers only (configure_model) has the driver's names
     for name, module in model.named_modules():
-        names.setdefault(f"module:{name.replace('._orig_mod', '')}", module)
+        names.setdefault(f"module:{_compat.torch.uncompiled_name(name)}", module)
     for name, parameter in model.named_parameters():
-        names[f"parameter:{name.replace('._orig_mod', '')}"] = parameter
+        names[f"parameter:{_compat.torch.uncompiled_name(name)}"] = parameter
     return names
 
 
@@ -43,7 +44,7 @@ def public_attributes(obj: Any) -> dict[str, Any]:
     return {
         key: value
         for key, value in vars(obj).items()
-        if (not key.startswith("_") or key == "_hparams")
+        if (not key.startswith("_") or key == _compat.HPARAMS_ATTRIBUTE)
         and key != "training"
         and getattr(value, "__self__", None) is not obj
     }

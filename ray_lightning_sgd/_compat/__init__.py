@@ -1,4 +1,4 @@
-"""Every use of a private name of Lightning or Ray, in one place: one module per library.
+"""Every use of a private name of Lightning, Ray or torch, in one place: one module per library.
 
 Each name has a test in ``tests/test_compat.py`` that fails, naming the attribute, when a new
 release moves it. :mod:`.flavour` collects the public members of one Lightning namespace.
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from ray_lightning_sgd._compat import ray, torch
 from ray_lightning_sgd._compat.lightning import (
+    HPARAMS_ATTRIBUTE,
     METRICS_KEPT,
     ConfigureLauncher,
+    InterceptPrecisionPlugin,
     checkpoint_selection,
     ckpt_path_of,
     committed_metrics,
@@ -24,7 +26,10 @@ from ray_lightning_sgd._compat.lightning import (
     set_checkpoint_selection,
     set_logger_version,
     set_profiler_state,
+    shift_batch_counts,
     should_check_val_epoch,
+    show_as_saved_at_batch_end,
+    train_combined_loader,
     trainer_arguments_being_parsed,
     tuner_exit_exception,
     val_check_view,
@@ -37,8 +42,10 @@ from ray_lightning_sgd._serialization import register_reduction
 register_reduction(reduce_unbuilt_lazy_instance)
 
 __all__ = [
+    "HPARAMS_ATTRIBUTE",
     "METRICS_KEPT",
     "ConfigureLauncher",
+    "InterceptPrecisionPlugin",
     "bind_local_ray_to_loopback",
     "checkpoint_selection",
     "ckpt_path_of",
@@ -55,8 +62,11 @@ __all__ = [
     "set_checkpoint_selection",
     "set_logger_version",
     "set_profiler_state",
+    "shift_batch_counts",
     "should_check_val_epoch",
+    "show_as_saved_at_batch_end",
     "torch",
+    "train_combined_loader",
     "trainer_arguments_being_parsed",
     "tuner_exit_exception",
     "val_check_view",

@@ -12,9 +12,13 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd import _files
+
+if TYPE_CHECKING:
+    # for type checkers, the standalone namespace's interface; launcher_interface gives either
+    from pytorch_lightning.strategies.launchers.launcher import _Launcher as LauncherInterface
 
 #: Where each Lightning namespace keeps its (private) launcher interface.
 _LAUNCHER_MODULE = "{namespace}.strategies.launchers.launcher"
@@ -23,10 +27,10 @@ _LAUNCHER_MODULE = "{namespace}.strategies.launchers.launcher"
 _LAUNCHER_CLASS = "_Launcher"
 
 
-def launcher_interface(namespace: str) -> type:
+def launcher_interface(namespace: str) -> type[LauncherInterface]:
     """Lightning's launcher interface (``_Launcher``) in ``namespace``: the base of a launcher."""
     module = importlib.import_module(_LAUNCHER_MODULE.format(namespace=namespace))
-    cls: type = getattr(module, _LAUNCHER_CLASS)
+    cls: type[LauncherInterface] = getattr(module, _LAUNCHER_CLASS)
     return cls
 
 
@@ -107,11 +111,67 @@ def has_callback(trainer: Any, class_name: str) -> bool:
     )
 
 
+#: The training epoch loop's count of batches that stepped (the step its loggers record rows at),
+#: an attribute of the loop and a key of its saved state alike.
+_BATCHES_THAT_STEPPED = "_batches_that_stepped"
+
+
 def logged_step(trainer: Any) -> int:
     """Runs on a worker. The step Lightning's loggers record rows at now (optimizer steps that
     were taken, counted once per batch: ``global_step`` counts each optimizer's step)."""
     epoch_loop = trainer.fit_loop.epoch_loop
-    return int(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step))
+    return int(getattr(epoch_loop, _BATCHES_THAT_STEPPED, trainer.global_step))
+
+
+#: Where a checkpoint keeps the fit loop's state (under ``checkpoint["loops"]``), and in it the
+#: training epoch loop's batch counts and its own saved state (which holds
+#: :data:`_BATCHES_THAT_STEPPED`).
+_FIT_LOOP_STATE = "fit_loop"
+_BATCH_PROGRESS_STATE = "epoch_loop.batch_progress"
+_EPOCH_LOOP_STATE = "epoch_loop.state_dict"
+#: The batch counts Lightning keeps twice (``total`` and ``current``) in the epoch loop's
+#: ``batch_progress``; a checkpoint keeps them as dicts, the live loop as attributes.
+_BATCH_COUNTS = ("ready", "started", "processed", "completed")
+_BATCH_COUNT_SCOPES = ("total", "current")
+
+
+def show_as_saved_at_batch_end(checkpoint: dict[str, Any]) -> None:
+    """Runs on rank 0. Makes the loop state of a checkpoint saved at a batch's start read as a
+    save at the previous batch's end, the one Lightning's restart knows: the batch about to start
+    not counted as fetched (``ready``), the last one not as ``completed``, the epoch not at its
+    last batch, and one logging step (:data:`_BATCHES_THAT_STEPPED`) fewer."""
+    loop = checkpoint["loops"][_FIT_LOOP_STATE]
+    progress = loop[_BATCH_PROGRESS_STATE]
+    for scope in _BATCH_COUNT_SCOPES:
+        progress[scope]["ready"] -= 1
+        progress[scope]["completed"] -= 1
+    progress["is_last_batch"] = False
+    loop[_EPOCH_LOOP_STATE][_BATCHES_THAT_STEPPED] -= 1
+
+
+def shift_batch_counts(trainer: Any, delta: int) -> None:
+    """Runs on each worker. Moves every batch count of the fit's epoch loop (its
+    ``batch_progress``, restored and not yet reset by the loop) by ``delta``."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for scope in _BATCH_COUNT_SCOPES:
+        counts = getattr(progress, scope)
+        for name in _BATCH_COUNTS:
+            setattr(counts, name, getattr(counts, name) + delta)
+
+
+#: Where the fit loop keeps the train iterables it combined (set when it sets up the data).
+_COMBINED_LOADER = "_combined_loader"
+
+
+def train_combined_loader(trainer: Any) -> Any | None:
+    """Runs on each worker. The fit's train iterables as Lightning iterates them (a
+    ``CombinedLoader``, whose ``flattened`` lists them), or None before the fit loop set them up."""
+    return getattr(trainer.fit_loop, _COMBINED_LOADER, None)
+
+
+#: Where a LightningModule or LightningDataModule keeps its hyperparameters (the ``hparams``
+#: property reads it): the one private attribute of theirs that travels as user state.
+HPARAMS_ATTRIBUTE = "_hparams"
 
 
 def _step_of(row: dict[str, str]) -> float:
@@ -241,6 +301,44 @@ def end_after_tuner_exit(trainer: Any, namespace: str) -> None:
     trainer.state.stage = None
 
 
+#: Where Lightning's Strategy keeps its precision plugin (its ``precision_plugin`` property reads
+#: it); Lightning's accelerator connector reads it too, while it parses the Trainer's arguments.
+PRECISION_PLUGIN_ATTRIBUTE = "_precision_plugin"
+#: Where :class:`InterceptPrecisionPlugin` keeps the plugin written to that attribute.
+_OWN_PRECISION_PLUGIN = "_own_precision_plugin"
+
+
+class InterceptPrecisionPlugin:
+    """A strategy mixin: makes the strategy's private precision plugin attribute
+    (:data:`PRECISION_PLUGIN_ATTRIBUTE`) a property. A write keeps the plugin; a read returns
+    what :meth:`read_precision_plugin` makes of it, told whether the reader is Lightning's
+    accelerator connector parsing a Trainer's arguments."""
+
+    def read_precision_plugin(self, own: Any, arguments: tuple[Any, Any, Any] | None) -> Any:
+        """What a read of the precision plugin returns (by default ``own``, the plugin last
+        written). ``arguments``: what :func:`trainer_arguments_being_parsed` returned for this
+        read (None unless the accelerator connector is the reader)."""
+        return own
+
+
+def _read_precision_plugin(strategy: Any) -> Any:
+    # calls trainer_arguments_being_parsed itself: it looks for the connector two frames up
+    own = strategy.__dict__.get(_OWN_PRECISION_PLUGIN)
+    return strategy.read_precision_plugin(own, trainer_arguments_being_parsed())
+
+
+def _write_precision_plugin(strategy: Any, plugin: Any) -> None:
+    strategy.__dict__[_OWN_PRECISION_PLUGIN] = plugin
+
+
+# a property with a setter on the class wins over the instance attribute Strategy.__init__ sets
+setattr(
+    InterceptPrecisionPlugin,
+    PRECISION_PLUGIN_ATTRIBUTE,
+    property(_read_precision_plugin, _write_precision_plugin),
+)
+
+
 #: The method of Lightning's accelerator connector that parses the Trainer's arguments. It reads
 #: the strategy's ``_precision_plugin`` right after it has stored the user's precision, precision
 #: plugin and accelerator, before it adapts them to the driver's machine.
@@ -248,10 +346,11 @@ _PARSE_METHOD = "_check_config_and_set_final_flags"
 
 
 def trainer_arguments_being_parsed() -> tuple[Any, Any, Any] | None:
-    """Driver side: called by a strategy's ``_precision_plugin`` getter. When Lightning's
-    accelerator connector is the reader, parsing a Trainer's arguments, returns the precision, the
-    precision plugin and the accelerator the user passed, as the connector holds them then (the
-    precision in Lightning's unified form, ``"16-mixed"``); otherwise None."""
+    """Driver side: called by a strategy's ``_precision_plugin`` getter (as
+    :class:`InterceptPrecisionPlugin`'s). When Lightning's accelerator connector is the reader,
+    parsing a Trainer's arguments, returns the precision, the precision plugin and the accelerator
+    the user passed, as the connector holds them then (the precision in Lightning's unified form,
+    ``"16-mixed"``); otherwise None."""
     frame = sys._getframe(2)  # the getter's caller
     if frame.f_code.co_name != _PARSE_METHOD:
         return None

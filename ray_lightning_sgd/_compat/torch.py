@@ -50,3 +50,14 @@ def cpu_fsdp2_problem(version: str) -> str | None:
         f"torch {version}'s FSDP2 (fully_shard) runs on CUDA only: it calls CUDA's stream API on "
         f"the CPU as well. Install torch>={CPU_FSDP2_SINCE}, or use GPU workers (use_gpu=True)"
     )
+
+
+#: Where torch.compile's wrapper (``OptimizedModule``) keeps the module it compiled: the names of
+#: a compiled submodule's weights and submodules carry it (``<name>._orig_mod.<...>``).
+COMPILED_MODULE_ATTRIBUTE = "_orig_mod"
+
+
+def uncompiled_name(name: str) -> str:
+    """A weight's or submodule's name (or a state dict key) as the model has it uncompiled:
+    without the part that compiling a submodule adds (``<name>._orig_mod.<...>``)."""
+    return name.replace(f".{COMPILED_MODULE_ATTRIBUTE}", "")

@@ -56,7 +56,8 @@ from ray_lightning_sgd.exceptions import WorkerDiedError, WorkerGroupError
 if TYPE_CHECKING:
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import Callback
-    from pytorch_lightning.strategies.launchers.launcher import _Launcher as _Base
+
+    from ray_lightning_sgd._compat.lightning import LauncherInterface as _Base
 else:
     _Base = object
 

@@ -83,7 +83,7 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
     """
     own = model.state_dict()
     if state.keys() != own.keys():
-        renamed = {key.replace("._orig_mod", ""): value for key, value in state.items()}
+        renamed = {_compat.torch.uncompiled_name(key): value for key, value in state.items()}
         if renamed.keys() == own.keys():
             state = renamed
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())

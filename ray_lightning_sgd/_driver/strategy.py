@@ -66,7 +66,7 @@ def _from_config(config: str, name: str) -> Any:
     return property(read, doc=f"The ``{name}`` this strategy was given (read-only).")
 
 
-class RayStrategyBase(_compat.ConfigureLauncher, _Base):
+class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugin, _Base):
     """A Lightning strategy whose processes are a gang of Ray actors: what every strategy of this
     package adds to the Lightning strategy it joins (:class:`RaySGDStrategyBase` to
     ``DDPStrategy``, :class:`RayModelParallelStrategyBase` to ``ModelParallelStrategy``,
@@ -280,14 +280,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
     def _check_workers(self) -> None:
         """Raises for worker settings that this kind of strategy cannot run."""
 
-    # Lightning's accelerator connector reads this attribute while it parses the Trainer's
-    # arguments, right after it has the user's precision, and before it adapts the precision to
-    # the driver's machine (16-mixed becomes bf16-mixed on a driver without GPUs): the moment to
-    # keep what the user asked for, which each worker resolves for its own hardware
-    @property
-    def _precision_plugin(self) -> Any:
-        own = self.__dict__.get("_own_precision_plugin")
-        arguments = _compat.trainer_arguments_being_parsed()
+    # Lightning's accelerator connector reads the strategy's precision plugin while it parses the
+    # Trainer's arguments, right after it has the user's precision, and before it adapts the
+    # precision to the driver's machine (16-mixed becomes bf16-mixed on a driver without GPUs):
+    # the moment to keep what the user asked for, which each worker resolves for its own hardware
+    @override
+    def read_precision_plugin(self, own: Any, arguments: tuple[Any, Any, Any] | None) -> Any:
         if arguments is None:
             return own
         precision, plugin, accelerator = arguments
@@ -302,10 +300,6 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
             # the driver keeps a stand-in: it names the precision, the GPU workers build the plugin
             return self.precision_class(str(precision))
         return own
-
-    @_precision_plugin.setter
-    def _precision_plugin(self, plugin: Any) -> None:
-        self.__dict__["_own_precision_plugin"] = plugin
 
     @property
     def precision_request(self) -> PrecisionRequest:

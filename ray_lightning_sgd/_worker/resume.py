@@ -30,7 +30,13 @@ from ray_lightning_sgd._boundary.resume_points import (
     resolve,
     stored_points,
 )
-from ray_lightning_sgd._compat import has_callback, logged_step
+from ray_lightning_sgd._compat import (
+    has_callback,
+    logged_step,
+    shift_batch_counts,
+    show_as_saved_at_batch_end,
+    train_combined_loader,
+)
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 from ray_lightning_sgd._worker_group.worker import preemption
 from ray_lightning_sgd.exceptions import RaySGDError, WorkerDiedError
@@ -111,13 +117,7 @@ class ResumeCheckpointBase:
         # every_n_train_steps), and adds to its counts what such a save lacks: shown as one, the
         # batch about to start is not counted as fetched, nor the last one as completed, and the
         # logging step Lightning adds back is taken off.
-        loop = checkpoint["loops"]["fit_loop"]
-        progress = loop["epoch_loop.batch_progress"]
-        for counts in (progress["total"], progress["current"]):
-            counts["ready"] -= 1
-            counts["completed"] -= 1
-        progress["is_last_batch"] = False
-        loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+        show_as_saved_at_batch_end(checkpoint)
 
     def resume_inside_epoch(self, dataloader: Any, trainer: pl.Trainer) -> None:
         """Called with each train DataLoader of a fit (once ready, before its first iteration):
@@ -145,7 +145,8 @@ class ResumeCheckpointBase:
                     count, trained_on, replicas, share,
                     f" (a few samples are trained again: {rest} batch-shares)" if rest else "",
                 )  # fmt: skip
-                _shift_batch_counts(trainer, share - count)
+                # the restored epoch's counts, not yet reset by the loop
+                shift_batch_counts(trainer, share - count)
             count = share
         self._skip_counted = True
         if _is_stateful(dataloader):
@@ -398,7 +399,7 @@ def _is_stateful(dataloader: Any) -> bool:
 
 def _train_loaders(trainer: pl.Trainer) -> list[Any]:
     """The fit's train iterables, each as Lightning iterates it (never iterated here)."""
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    combined = train_combined_loader(trainer)
     return list(combined.flattened) if combined is not None else [None]
 
 
@@ -421,14 +422,6 @@ def _replicas(dataloader: Any) -> int:
         if isinstance(replicas, int) and replicas > 0:
             return replicas
     return 1
-
-
-def _shift_batch_counts(trainer: pl.Trainer, delta: int) -> None:
-    """Moves the restored epoch's batch counts (not yet reset by the loop) by ``delta``."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress
-    for counts in (progress.total, progress.current):
-        for name in ("ready", "started", "processed", "completed"):
-            setattr(counts, name, getattr(counts, name) + delta)
 
 
 def skip_first_batches(dataloader: Any, count: int, epoch: int) -> bool:
