@@ -20,7 +20,7 @@ from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.precision import WorkerPrecisionBase
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
-from ray_lightning_sgd._driver.strategy import (
+from ray_lightning_sgd._driver.variants import (
     RayFSDPStrategyBase,
     RayModelParallelStrategyBase,
     RaySGDStrategyBase,

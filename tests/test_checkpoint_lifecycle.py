@@ -35,7 +35,7 @@ from ray_lightning_sgd._boundary.resume_points import (
     newest_complete_point,
 )
 from ray_lightning_sgd._driver import runs
-from ray_lightning_sgd._worker import resume
+from ray_lightning_sgd._worker import resume, resume_from, resumed_fit
 from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
 from ray_lightning_sgd.exceptions import RaySGDError
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
@@ -138,7 +138,7 @@ def test_a_full_disk_while_writing_keeps_the_last_whole_checkpoint(tmpfs, monkey
     # a local copy of a checkpoint too big for the node's temporary folder leaves no part
     monkeypatch.setattr(tempfile, "tempdir", str(tmpfs))
     with pytest.raises(OSError, match="No space left"):
-        resume.materialise(ResumePoint(1, 12, data=b"x" * 3_000_000))
+        resume_from.materialise(ResumePoint(1, 12, data=b"x" * 3_000_000))
     assert [n for n in os.listdir(tmpfs) if n.startswith(scratch.PREFIX)] == []
     monkeypatch.undo()
     assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
@@ -560,8 +560,8 @@ def test_a_resumed_one_cycle_schedule_that_ends_too_soon_is_said_at_once():
         )  # fmt: skip
 
     with pytest.warns(UserWarning, match=r"OneCycleLR\(total_steps=36\) .* takes 72 optimizer"):
-        resume.warn_schedulers_that_end_too_soon(trainer(72))  # type: ignore[arg-type]
+        resumed_fit.warn_schedulers_that_end_too_soon(trainer(72))  # type: ignore[arg-type]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        resume.warn_schedulers_that_end_too_soon(trainer(36))  # type: ignore[arg-type]
-        resume.warn_schedulers_that_end_too_soon(trainer(18))  # type: ignore[arg-type]
+        resumed_fit.warn_schedulers_that_end_too_soon(trainer(36))  # type: ignore[arg-type]
+        resumed_fit.warn_schedulers_that_end_too_soon(trainer(18))  # type: ignore[arg-type]

@@ -265,7 +265,7 @@ def test_no_in_epoch_checkpoint_where_steps_would_not_resume_as_they_went_on():
     from pytorch_lightning.callbacks import GradientAccumulationScheduler
     from pytorch_lightning.utilities import CombinedLoader
 
-    from ray_lightning_sgd._worker.resume import _steps_resume_inside
+    from ray_lightning_sgd._worker.resumed_fit import _steps_resume_inside
 
     class Stateful(DataLoader):
         def state_dict(self):

@@ -17,7 +17,7 @@ from ray_lightning_sgd import lightning as rls_lightning
 from ray_lightning_sgd import pytorch_lightning as rls_pl
 from ray_lightning_sgd._compat import flavour
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
-from ray_lightning_sgd._driver.strategy import RaySGDStrategyBase
+from ray_lightning_sgd._driver.variants import RaySGDStrategyBase
 from tests.helpers import TinyModel, TinyModelSteps, loader, quiet_trainer_kwargs
 
 

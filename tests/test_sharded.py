@@ -238,7 +238,7 @@ def test_sharded_strategies_refuse_a_remote_checkpoint_storage():
 
 def test_every_worker_of_a_node_copies_a_resume_point_to_the_same_path():
     from ray_lightning_sgd._boundary.resume_points import ResumePoint
-    from ray_lightning_sgd._worker.resume import materialise
+    from ray_lightning_sgd._worker.resume_from import materialise
 
     point = ResumePoint(epoch=0, global_step=6, data=b"checkpoint bytes")
     first, second = materialise(point), materialise(point)

@@ -76,8 +76,8 @@ def test_tilde_in_storage_is_the_drivers_home(tmp_path, monkeypatch, no_connect)
         _fit(**strategy_kwargs)
     assert sorted(os.listdir(home / "ckpts")) == []  # created, and the probe removed
     assert not (cwd / "~").exists()
-    assert launcher._run_folder("~/ckpts", "abc", None) == f"{home}/ckpts/run-abc"
-    assert launcher._run_folder("~/ckpts", "abc", "r") == f"{home}/ckpts/r"
+    assert storage.run_folder("~/ckpts", "abc", None) == f"{home}/ckpts/run-abc"
+    assert storage.run_folder("~/ckpts", "abc", "r") == f"{home}/ckpts/r"
     # the value as given reads back; a URI is left as it is
     assert RaySGDStrategy(**strategy_kwargs).checkpoint_storage == "~/ckpts"
     assert storage.resolve("s3://b/~x") == "s3://b/~x"

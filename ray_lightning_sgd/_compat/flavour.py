@@ -4,7 +4,7 @@ Lightning ships the same classes twice: in the standalone ``pytorch_lightning`` 
 ``lightning_fabric``) and inside the ``lightning`` package as ``lightning.pytorch`` (with
 ``lightning.fabric``). The two are distinct classes, and a Trainer of one refuses a strategy of the
 other. The strategy, its launcher and its cluster environment are therefore written once, as mixins
-(:class:`~ray_lightning_sgd._driver.strategy.RaySGDStrategyBase`, ...) that take every Lightning class they
+(:class:`~ray_lightning_sgd._driver.variants.RaySGDStrategyBase`, ...) that take every Lightning class they
 need from a :class:`Flavour`; :mod:`ray_lightning_sgd.pytorch_lightning` and
 :mod:`ray_lightning_sgd.lightning` each join the mixins with one namespace's bases in a few lines.
 """

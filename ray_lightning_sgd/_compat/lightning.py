@@ -314,9 +314,9 @@ class InterceptPrecisionPlugin:
     what :meth:`read_precision_plugin` makes of it, told whether the reader is Lightning's
     accelerator connector parsing a Trainer's arguments."""
 
-    def read_precision_plugin(self, own: Any, arguments: tuple[Any, Any, Any] | None) -> Any:
+    def read_precision_plugin(self, own: Any, parsed: tuple[Any, Any, Any] | None) -> Any:
         """What a read of the precision plugin returns (by default ``own``, the plugin last
-        written). ``arguments``: what :func:`trainer_arguments_being_parsed` returned for this
+        written). ``parsed``: what :func:`trainer_arguments_being_parsed` returned for this
         read (None unless the accelerator connector is the reader)."""
         return own
 

@@ -18,11 +18,8 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
-import signal
-import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -36,7 +33,7 @@ from ray_lightning_sgd._boundary.payload import FITTING, GlobalState, Payload
 from ray_lightning_sgd._boundary.results import WorkerOutput
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._compat.flavour import Flavour
-from ray_lightning_sgd._driver import artifacts, runs
+from ray_lightning_sgd._driver import artifacts, runs, signals
 from ray_lightning_sgd._driver import storage as _storage
 from ray_lightning_sgd._driver.checks import check_global_batch, check_trainer, pack_payload
 from ray_lightning_sgd._driver.failure import FailureConfig
@@ -106,7 +103,7 @@ class RayLauncherBase(_Base):
         _check_call(call, self._strategy)
         cluster.connect()
         run_id = uuid.uuid4().hex[:12]
-        storage = _run_folder(failure.checkpoint_storage, run_id, failure.run_name)
+        storage = _storage.run_folder(failure.checkpoint_storage, run_id, failure.run_name)
         named = call.fitting and failure.run_name is not None and storage is not None
         with contextlib.ExitStack() as held:
             if named:  # one driver at a time trains a named run: until this call ends
@@ -120,7 +117,7 @@ class RayLauncherBase(_Base):
             try:  # from here on, every path out removes the probe
                 template = self._payload(call, run_id, storage, mirror, inbox is not None)
                 controller = self._controller(call, template, run, inbox)
-                with _sigterm_raises(self._strategy.flavour.sigterm_exception):
+                with signals.sigterm_raises(self._strategy.flavour.sigterm_exception):
                     outputs = controller.run(resume=run.resume)
             except BaseException as err:
                 if inbox is not None and inbox.replay is not None:
@@ -343,7 +340,7 @@ def _check_call(call: _Call, strategy: LaunchSettings) -> None:
         check_global_batch(call.trainer, call.model, strategy)
         failure = strategy.failure_config
         if failure.checkpoint_storage is not None:
-            _check_storage(failure.checkpoint_storage, failure.run_name)
+            _storage.check_storage(failure.checkpoint_storage, failure.run_name)
 
 
 def _stored_resume_point(
@@ -385,29 +382,6 @@ def _driver_code() -> code.DriverCode:
     return code.snapshot(node_id, ship=others)
 
 
-def _run_folder(storage: str | None, run_id: str, run_name: str | None) -> str | None:
-    """The run's folder of ``checkpoint_storage``: a named run's, which a new driver finds, or
-    this launch's own: runs that share the storage (Tune trials) never overwrite each other's
-    resume checkpoints."""
-    if storage is None:
-        return None
-    # a local path means the same folder to the driver and its workers
-    storage = _storage.resolve(storage)
-    return f"{storage.rstrip('/')}/{run_name if run_name is not None else f'run-{run_id}'}"
-
-
-def _check_storage(given: str, run_name: str | None) -> None:
-    """Driver side, before Ray is touched: raises unless the folder rank 0 will write can be
-    created and written (a named run's own folder; else the storage, where each launch makes
-    one). Not from a Ray Client (connected, or about to be): its machine's disk is not the
-    cluster's."""
-    if _compat.ray.driver_is_a_client() or os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
-        return
-    root = _storage.resolve(given)
-    folder = root if run_name is None else f"{root.rstrip('/')}/{run_name}"
-    _storage.check_writable(folder, given)
-
-
 def _finish_artifacts(mirror: Any) -> None:
     """Driver side, on every path out of a launch: ends the artifacts' probe. What fails here is
     logged: it must not replace the call's own error."""
@@ -424,45 +398,6 @@ def _driver_callbacks(trainer: pl.Trainer | None, strategy: LaunchSettings) -> l
         return []
     bar = trainer.progress_bar_callback
     return ([] if bar is None else [bar]) + list(strategy.driver_callbacks)
-
-
-@contextlib.contextmanager
-def _sigterm_raises(exception: type[BaseException]) -> Iterator[None]:
-    """Driver side: SIGTERM during a launch raises ``exception`` (Lightning's SIGTERMException),
-    so that the launch stops its workers on the way out, as Ctrl-C does.
-
-    Without it, the default action would end the driver at once and leave the workers to Ray's
-    clean-up of a dead driver. A handler the user installed runs first (not the one ``ray.init``
-    installs, which only exits: the exception does that after the clean-up); an ignored SIGTERM
-    stays ignored. Only the main thread can install handlers; elsewhere nothing changes.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN or previous is None:
-        yield
-        return
-
-    chained = previous if callable(previous) and not _from_ray(previous) else None
-
-    def handler(signum: int, frame: Any) -> None:
-        log.info("Received SIGTERM on the driver: stopping the workers")
-        # a second SIGTERM must not interrupt the clean-up this one starts
-        signal.signal(signal.SIGTERM, previous)
-        if chained is not None:
-            chained(signum, frame)
-        raise exception(128 + signum)  # the exit status of a process ended by the signal
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _from_ray(handler: Callable[..., Any]) -> bool:
-    return getattr(handler, "__module__", "").split(".")[0] == "ray"
 
 
 def _log_restart(

@@ -13,7 +13,7 @@ import logging
 import os
 import uuid
 
-from ray_lightning_sgd import _files
+from ray_lightning_sgd import _compat, _files
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -80,3 +80,26 @@ def _unwritable(given: str, folder: str, err: BaseException) -> ConfigurationErr
         "file system, or an fsspec URI such as s3://bucket/runs with its package installed), "
         "or leave checkpoint_storage out to keep resume checkpoints on the driver's node"
     )
+
+
+def run_folder(storage: str | None, run_id: str, run_name: str | None) -> str | None:
+    """The run's folder of ``checkpoint_storage``: a named run's, which a new driver finds, or
+    this launch's own: runs that share the storage (Tune trials) never overwrite each other's
+    resume checkpoints."""
+    if storage is None:
+        return None
+    # a local path means the same folder to the driver and its workers
+    storage = resolve(storage)
+    return f"{storage.rstrip('/')}/{run_name if run_name is not None else f'run-{run_id}'}"
+
+
+def check_storage(given: str, run_name: str | None) -> None:
+    """Driver side, before Ray is touched: raises unless the folder rank 0 will write can be
+    created and written (a named run's own folder; else the storage, where each launch makes
+    one). Not from a Ray Client (connected, or about to be): its machine's disk is not the
+    cluster's."""
+    if _compat.ray.driver_is_a_client() or os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
+        return
+    root = resolve(given)
+    folder = root if run_name is None else f"{root.rstrip('/')}/{run_name}"
+    check_writable(folder, given)

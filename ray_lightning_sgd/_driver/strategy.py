@@ -1,27 +1,28 @@
-"""RaySGDStrategy: Lightning's DDP, with its processes run as a gang of Ray actors.
+"""Driver side: :class:`RayStrategyBase`, what every strategy of this package adds to the Lightning
+strategy it joins, with its processes run as a gang of Ray actors.
 
-The strategy is a thin ``DDPStrategy``: it validates its arguments in the constructor (before Ray is
-touched), hands the launch to its launcher (:class:`~ray_lightning_sgd._driver.launcher.RayLauncherBase`), and
+The strategy is a thin Lightning strategy: it checks its arguments in the constructor (before Ray is
+touched; the checks are in :mod:`~ray_lightning_sgd._driver.arguments`), keeps them in its configs
+and shows them as read-only properties, captures the precision the user asked the Trainer for,
+hands the launch to its launcher (:class:`~ray_lightning_sgd._driver.launcher.RayLauncherBase`),
 reads ranks and device from its cluster environment
-(:class:`~ray_lightning_sgd._boundary.environment.RayEnvironmentBase`). Everything else is Lightning's DDP.
+(:class:`~ray_lightning_sgd._boundary.environment.RayEnvironmentBase`), tells Ray Tune what a trial
+needs, and releases the warm workers it kept up. Everything else is Lightning's.
 
-:class:`RaySGDStrategyBase` is the implementation, for either Lightning namespace;
-``ray_lightning_sgd.pytorch_lightning.RaySGDStrategy`` and ``ray_lightning_sgd.lightning.RaySGDStrategy``
-join it with that namespace's ``DDPStrategy``.
+The three kinds of strategy (DDP, ModelParallel, FSDP) are in :mod:`~ray_lightning_sgd._driver.variants`;
+the signature ``help`` and LightningCLI read is built in :mod:`~ray_lightning_sgd._driver.signature`;
+the methods that run on the workers are in :mod:`ray_lightning_sgd._worker.strategy`.
+``ray_lightning_sgd.pytorch_lightning`` and ``ray_lightning_sgd.lightning`` join the halves with
+that namespace's Lightning strategy.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import math
-import typing
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat
@@ -29,6 +30,7 @@ from ray_lightning_sgd._backend.torch import TorchConfig
 from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.precision import Family, PrecisionRequest, WorkerPrecisionBase
 from ray_lightning_sgd._compat.flavour import Flavour
+from ray_lightning_sgd._driver import arguments, signature
 from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
 from ray_lightning_sgd._executor import pool
@@ -45,15 +47,6 @@ else:
 _OTHER_NAMESPACE = {
     "pytorch_lightning": ("lightning.pytorch", "lightning"),
     "lightning.pytorch": ("pytorch_lightning", "pytorch_lightning"),
-}
-
-# Lightning strategy arguments that these strategies decide themselves, and what to use instead
-_OWNED_ARGS = {
-    "cluster_environment": "the strategy brings its own RayEnvironment",
-    "parallel_devices": "use num_workers and use_gpu",
-    "start_method": "Ray starts the workers",
-    "process_group_backend": "use backend_config=TorchConfig(backend=...)",
-    "timeout": "use backend_config=TorchConfig(timeout_s=...)",
 }
 
 
@@ -192,33 +185,28 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             keep_last=keep_last,
             resize_interval_s=resize_interval_s,
         )
-        self._driver_callbacks = self._check_driver_callbacks(driver_callbacks)
-        if not isinstance(reuse_workers, bool):
-            raise ConfigurationError(f"reuse_workers must be True or False, got {reuse_workers!r}")
-        backend_config = TorchConfig() if backend_config is None else backend_config
-        if not isinstance(backend_config, TorchConfig):
-            raise ConfigurationError(
-                f"backend_config must be a TorchConfig, got {type(backend_config).__name__}"
-            )
-        strategy_kwargs = self._check_strategy_kwargs(strategy_kwargs)
-        if not isinstance(keep_global_batch_size, bool):
-            raise ConfigurationError(
-                f"keep_global_batch_size must be True or False, got {keep_global_batch_size!r}"
-            )
-        self._keep_global_batch_size = keep_global_batch_size
-        most, sizes = _worker_sizes(num_workers, keep_global_batch_size)
+        self._driver_callbacks = arguments.check_driver_callbacks(driver_callbacks, self.flavour)
+        self._reuse_workers = arguments.flag("reuse_workers", reuse_workers)
+        self._backend_config = backend_config = arguments.backend_config(backend_config)
+        strategy_kwargs = arguments.check_strategy_kwargs(
+            strategy_kwargs, type(self).__name__, self.lightning_strategy(), self.module_wrapper()
+        )
+        self._keep_global_batch_size = arguments.flag(
+            "keep_global_batch_size", keep_global_batch_size
+        )
+        most, sizes = arguments.worker_sizes(num_workers, keep_global_batch_size)
         self._worker_group_config = WorkerGroupConfig(
             num_workers=most,
             sizes=sizes,
-            resources_per_worker=_resources(num_cpus_per_worker, use_gpu, resources_per_worker),
+            resources_per_worker=arguments.resources(
+                num_cpus_per_worker, use_gpu, resources_per_worker
+            ),
             placement_strategy=placement_strategy,
-            worker_env=_worker_env(worker_env),
+            worker_env=arguments.worker_env(worker_env),
             init_hook=init_hook,
             startup_timeout_s=startup_timeout_s,
             ship_driver_code=ship_driver_code,
         )
-        self._backend_config = backend_config
-        self._reuse_workers = reuse_workers
         self._precision_request: PrecisionRequest | None = None
         self._check_workers()
         super().__init__(
@@ -231,8 +219,10 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         inherits = cls.__module__ != __name__ and cls.__init__ is RayStrategyBase.__init__
-        if inherits and _joins_a_lightning_strategy(cls):
-            cls.__init__ = _init_with_accepted_signature(cls)  # type: ignore[method-assign]
+        if inherits and signature.joins_a_lightning_strategy(cls):
+            cls.__init__ = signature.init_with_accepted_signature(  # type: ignore[method-assign]
+                cls, RayStrategyBase.__init__
+            )
 
     @classmethod
     def lightning_strategy(cls) -> type:
@@ -245,38 +235,6 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         (``DistributedDataParallel``, ``FullyShardedDataParallel``), if any."""
         return None
 
-    def _check_driver_callbacks(self, callbacks: Any) -> list[Any]:
-        """``driver_callbacks`` as a list; raises unless it is a list (or tuple) of Callbacks of
-        this strategy's Lightning namespace."""
-        if callbacks is None:
-            return []
-        expected = self.flavour.callback
-        namespace = self.flavour.namespace
-        if isinstance(callbacks, expected):
-            raise ConfigurationError(
-                f"driver_callbacks takes a list of Callbacks, got one: {callbacks!r}; pass "
-                f"driver_callbacks=[{type(callbacks).__name__}(...)]"
-            )
-        if not isinstance(callbacks, (list, tuple)):
-            raise ConfigurationError(
-                f"driver_callbacks takes a list of {namespace} Callbacks, got {callbacks!r} "
-                f"({type(callbacks).__name__})"
-            )
-        for callback in callbacks:
-            if not isinstance(callback, expected):
-                raise ConfigurationError(
-                    f"driver_callbacks takes {namespace} Callbacks, got "
-                    f"{callback!r}; subclass {namespace}.callbacks.Callback"
-                )
-        return list(callbacks)
-
-    def _check_strategy_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """Returns the Lightning strategy's (and its module wrapper's) arguments that change
-        something; raises for those the strategy owns or does not know."""
-        return _check_strategy_kwargs(
-            kwargs, type(self).__name__, self.lightning_strategy(), self.module_wrapper()
-        )
-
     def _check_workers(self) -> None:
         """Raises for worker settings that this kind of strategy cannot run."""
 
@@ -285,10 +243,10 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     # precision to the driver's machine (16-mixed becomes bf16-mixed on a driver without GPUs):
     # the moment to keep what the user asked for, which each worker resolves for its own hardware
     @override
-    def read_precision_plugin(self, own: Any, arguments: tuple[Any, Any, Any] | None) -> Any:
-        if arguments is None:
+    def read_precision_plugin(self, own: Any, parsed: tuple[Any, Any, Any] | None) -> Any:
+        if parsed is None:
             return own
-        precision, plugin, accelerator = arguments
+        precision, plugin, accelerator = parsed
         if not isinstance(accelerator, str):  # an Accelerator instance
             name = type(accelerator).__name__
             accelerator = {"CPUAccelerator": "cpu", "CUDAAccelerator": "cuda"}.get(name, name)
@@ -462,325 +420,3 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     def make_launcher(self) -> RayLauncherBase:
         """Returns the launcher Lightning uses for this strategy."""
         return self.launcher_class(self)
-
-
-class RaySGDStrategyBase(RayStrategyBase):
-    """Distributed data parallel training on a gang of Ray actors: Lightning's ``DDPStrategy``.
-
-    Takes the arguments of :class:`RayStrategyBase` (the workers), and, as ``**ddp_kwargs``,
-    those of :class:`torch.nn.parallel.DistributedDataParallel` (``find_unused_parameters``,
-    ``bucket_cap_mb``, ``static_graph``, ...) or of Lightning's ``DDPStrategy``
-    (``ddp_comm_hook``, ...).
-    """
-
-    strategy_name = "ray_sgd"
-
-    @classmethod
-    @override
-    def lightning_strategy(cls) -> type:
-        return cls.flavour.ddp_strategy
-
-    @classmethod
-    @override
-    def module_wrapper(cls) -> type:
-        return DistributedDataParallel
-
-
-class _ShardedBase(RayStrategyBase):
-    """What the sharded strategies share: the full weights gathered shard by shard for the
-    driver, and resume checkpoints saved whole."""
-
-    sharded = True
-
-    @override
-    def _check_workers(self) -> None:
-        storage = self._failure_config.checkpoint_storage
-        if storage is not None and "://" in storage and not storage.startswith("file://"):
-            raise ConfigurationError(
-                f"{type(self).__name__} takes a local checkpoint_storage (a folder every worker's "
-                f"node reaches, such as a shared file system), got {storage!r}: Lightning's "
-                "sharded strategies write and read checkpoints by local path; mount the "
-                "storage, or leave checkpoint_storage out to keep resume checkpoints in the driver"
-            )
-
-
-class RayModelParallelStrategyBase(_ShardedBase):
-    """Lightning's ``ModelParallelStrategy`` (FSDP2 with ``fully_shard`` and tensor parallelism,
-    applied in ``LightningModule.configure_model`` over ``self.device_mesh``) on a gang of Ray
-    actors. Runs on CPU workers (gloo) and GPU workers (NCCL).
-
-    Takes the arguments of :class:`RayStrategyBase` (the workers) and those of Lightning's
-    ``ModelParallelStrategy``: ``data_parallel_size``, ``tensor_parallel_size`` (each ``"auto"``
-    by default: one data-parallel group per node, tensor parallelism across a node's workers) and
-    ``save_distributed_checkpoint``.
-    """
-
-    strategy_name = "ray_model_parallel"
-
-    @classmethod
-    @override
-    def lightning_strategy(cls) -> type:
-        return cls.flavour.model_parallel_strategy
-
-    @override
-    def _check_workers(self) -> None:
-        problem = _compat.torch.cpu_fsdp2_problem(torch.__version__)
-        if not self._worker_group_config.use_gpu and problem is not None:
-            raise ConfigurationError(f"{type(self).__name__} on CPU workers: {problem}")
-        super()._check_workers()
-
-
-class RayFSDPStrategyBase(_ShardedBase):
-    """Lightning's ``FSDPStrategy`` (FSDP1: ``auto_wrap_policy``, activation checkpointing, CPU
-    offload) on a gang of Ray actors with GPUs.
-
-    Takes the arguments of :class:`RayStrategyBase` (the workers; ``use_gpu=True`` or GPUs in
-    ``resources_per_worker``) and those of Lightning's ``FSDPStrategy``.
-    """
-
-    strategy_name = "ray_fsdp"
-    precision_family = "fsdp"
-
-    @classmethod
-    @override
-    def lightning_strategy(cls) -> type:
-        return cls.flavour.fsdp_strategy
-
-    @classmethod
-    @override
-    def module_wrapper(cls) -> type:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel
-
-    @override
-    def _check_workers(self) -> None:
-        if not self._worker_group_config.use_gpu:
-            raise ConfigurationError(
-                f"{type(self).__name__} needs GPU workers (pass use_gpu=True): torch's FSDP "
-                "(FSDP1) runs on CUDA only. To shard a model across CPU workers, use "
-                "RayModelParallelStrategy (FSDP2) and apply fully_shard in configure_model"
-            )
-        super()._check_workers()
-
-
-# each strategy's help shows the worker arguments it takes, besides its Lightning strategy's
-_WORKER_ARGS = (RayStrategyBase.__doc__ or "").split("Args:", 1)[-1]
-for _strategy in (RaySGDStrategyBase, RayModelParallelStrategyBase, RayFSDPStrategyBase):
-    _strategy.__doc__ = f"{_strategy.__doc__}\n    Worker arguments:\n{_WORKER_ARGS}"
-
-
-def _worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, tuple[int, ...]]:
-    """The most workers, and the sizes an elastic run may take (largest first; empty: a fixed
-    size). With ``keep_global_batch_size`` only sizes that divide the most are taken."""
-    if isinstance(num_workers, list):  # as LightningCLI and YAML give a pair
-        num_workers = tuple(num_workers)
-    if not isinstance(num_workers, tuple):
-        if keep_global_batch_size:
-            raise ConfigurationError(
-                f"keep_global_batch_size=True applies to an elastic num_workers=(min, max); with "
-                f"num_workers={num_workers!r} the global batch never changes: leave it out"
-            )
-        return num_workers, ()  # WorkerGroupConfig checks it
-    pair = num_workers
-    if len(pair) != 2 or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in pair
-    ):
-        raise ConfigurationError(
-            f"num_workers must be an int >= 1, or a (min, max) pair of them for an elastic run, "
-            f"got {num_workers!r}"
-        )
-    low, high = pair
-    if low > high:
-        raise ConfigurationError(
-            f"num_workers=({low}, {high}) has min > max; pass (min, max), e.g. ({high}, {low})"
-        )
-    sizes = tuple(
-        n for n in range(high, low - 1, -1) if not keep_global_batch_size or high % n == 0
-    )
-    if keep_global_batch_size and len(sizes) < 2 and low < high:
-        divisor = max(n for n in range(1, high) if high % n == 0)
-        raise ConfigurationError(
-            f"keep_global_batch_size=True takes only worker counts that divide max={high}, and "
-            f"num_workers=({low}, {high}) holds none below {high}: lower min (to {divisor} or "
-            "less), or pass keep_global_batch_size=False"
-        )
-    return high, sizes if len(sizes) > 1 else ()
-
-
-#: The least amount of a resource that Ray reserves (its resource precision).
-_LEAST_RESOURCE = 0.0001
-
-
-def _worker_env(worker_env: Any) -> Mapping[str, str]:
-    """``worker_env`` as a dict (WorkerGroupConfig checks the names and values)."""
-    if worker_env is None:
-        return {}
-    if not isinstance(worker_env, Mapping):
-        raise ConfigurationError(
-            f"worker_env must be a dict of environment variables, such as {{'A': '1'}}, got "
-            f"{worker_env!r} ({type(worker_env).__name__})"
-        )
-    return dict(worker_env)
-
-
-def _resources(
-    num_cpus_per_worker: float | None,
-    use_gpu: bool,
-    resources_per_worker: Mapping[str, float] | None,
-) -> dict[str, float]:
-    """What each worker reserves: ``resources_per_worker`` merged with ``num_cpus_per_worker``
-    (its ``CPU``) and ``use_gpu`` (a ``GPU``); a key that two of them set differently is refused."""
-    if not isinstance(use_gpu, bool):
-        raise ConfigurationError(f"use_gpu must be True or False, got {use_gpu!r}")
-    if num_cpus_per_worker is not None:
-        if isinstance(num_cpus_per_worker, bool) or not isinstance(
-            num_cpus_per_worker, (int, float)
-        ):
-            raise ConfigurationError(
-                f"num_cpus_per_worker must be a number > 0, got {num_cpus_per_worker!r}"
-            )
-        if not (math.isfinite(num_cpus_per_worker) and num_cpus_per_worker >= _LEAST_RESOURCE):
-            raise ConfigurationError(
-                f"num_cpus_per_worker must be a finite number > 0 (at least {_LEAST_RESOURCE}), "
-                f"got {num_cpus_per_worker}; for workers without a CPU reservation pass "
-                "resources_per_worker without 'CPU'"
-            )
-    if resources_per_worker is None:
-        resources = {"CPU": float(1 if num_cpus_per_worker is None else num_cpus_per_worker)}
-        if use_gpu:
-            resources["GPU"] = 1.0
-        return resources
-    if not isinstance(resources_per_worker, Mapping):
-        raise ConfigurationError(
-            f"resources_per_worker must be a dict such as {{'CPU': 2, 'GPU': 1}}, "
-            f"got {resources_per_worker!r}"
-        )
-    resources = dict(resources_per_worker)
-    if num_cpus_per_worker is not None:
-        if "CPU" in resources and resources["CPU"] != num_cpus_per_worker:
-            raise ConfigurationError(
-                f"num_cpus_per_worker={num_cpus_per_worker} and resources_per_worker="
-                f"{dict(resources_per_worker)} ask for different CPUs; give the CPUs once"
-            )
-        resources["CPU"] = float(num_cpus_per_worker)
-    if use_gpu:
-        resources.setdefault("GPU", 1.0)  # a fraction given there wins
-    gpus = resources.get("GPU", 0)
-    if isinstance(gpus, (int, float)) and not isinstance(gpus, bool) and gpus > 1:
-        raise ConfigurationError(
-            f"resources_per_worker={dict(resources_per_worker)} gives each worker {gpus:g} "
-            "GPUs, but a worker is one Lightning process, which trains on one device; run "
-            "one worker per GPU instead: num_workers=<number of GPUs>, use_gpu=True"
-        )
-    return resources
-
-
-@functools.cache
-def _joins_a_lightning_strategy(cls: type[RayStrategyBase]) -> bool:
-    try:
-        return issubclass(cls, cls.lightning_strategy())
-    except (NotImplementedError, AttributeError):  # a mixin, not yet joined
-        return False
-
-
-def _init_with_accepted_signature(cls: type[RayStrategyBase]) -> Callable[..., None]:
-    """``RayStrategyBase.__init__`` for ``cls``, whose signature (what ``help``, ``inspect`` and
-    LightningCLI read) lists the worker arguments and the Lightning strategy's (and its module
-    wrapper's) arguments that ``cls`` accepts, not ``**strategy_kwargs`` nor the owned ones."""
-    base = RayStrategyBase.__init__
-    hints = {k: v for k, v in _type_hints(base).items() if k != "strategy_kwargs"}
-    own = [
-        p if p.name == "self" else p.replace(annotation=hints.get(p.name, Any))
-        for p in inspect.signature(base).parameters.values()
-        if p.kind is not p.VAR_KEYWORD
-    ]
-    accepted = _passed_on(cls.lightning_strategy(), cls.module_wrapper())
-    hints.update({p.name: p.annotation for p in accepted})
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        base(self, *args, **kwargs)
-
-    __init__.__doc__ = base.__doc__
-    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-    __init__.__module__ = cls.__module__
-    __init__.__signature__ = inspect.Signature([*own, *accepted])  # type: ignore[attr-defined]
-    __init__.__annotations__ = hints
-    return __init__
-
-
-def _type_hints(function: Callable[..., Any]) -> dict[str, Any]:
-    """``function``'s annotations as types (its module's names resolved); those that cannot be
-    resolved are left out (they read as ``Any``)."""
-    try:
-        return typing.get_type_hints(function)
-    except Exception:  # noqa: BLE001 - a name only its module's type checking imports
-        return {}
-
-
-def _defaults(function: Callable[..., Any]) -> dict[str, Any]:
-    return {
-        name: p.default
-        for name, p in inspect.signature(function).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-
-
-def _is_default(value: Any, name: str, defaults: Mapping[str, Any]) -> bool:
-    if name not in defaults:
-        return False
-    default = defaults[name]
-    return value is default or (type(value) is type(default) and bool(value == default))
-
-
-def _check_strategy_kwargs(
-    kwargs: Mapping[str, Any], name: str, strategy: type, module: type | None = None
-) -> dict[str, Any]:
-    """Returns the arguments of the Lightning ``strategy`` (and of the ``module`` wrapper it
-    builds, DDP's) that change something; raises for those the strategy owns or does not know.
-
-    An argument given with its default value is dropped: LightningCLI passes every argument it
-    finds behind ``**kwargs`` with its default.
-    """
-    accepted = {p.name for p in _passed_on(strategy, module)}
-    defaults = {
-        **(_defaults(vars(module)["__init__"]) if module is not None else {}),
-        **_defaults(vars(strategy)["__init__"]),
-    }
-    kwargs = {key: value for key, value in kwargs.items() if not _is_default(value, key, defaults)}
-    for key in kwargs:
-        if key in _OWNED_ARGS:
-            raise ConfigurationError(
-                f"{name} does not take {key}={kwargs[key]!r}: {_OWNED_ARGS[key]}"
-            )
-        if key not in accepted:
-            raise ConfigurationError(
-                f"{name} got an unknown argument {key}={kwargs[key]!r}; besides the worker "
-                f"arguments it takes {', '.join(sorted(accepted))}"
-            )
-    return kwargs
-
-
-#: Arguments of the module wrapper (DDP, FSDP) that Lightning's strategy sets itself.
-_WRAPPER_ARGS_SET_BY_LIGHTNING = frozenset(
-    {"self", "module", "device_ids", "device_id", "output_device", "process_group"}
-)
-
-
-@functools.cache
-def _passed_on(strategy: type, module: type | None) -> tuple[inspect.Parameter, ...]:
-    """The arguments of the Lightning ``strategy`` and of the ``module`` wrapper it builds that
-    ours take and pass on (not those it owns, nor those Lightning sets on the wrapper itself), as
-    keyword-only parameters with their types."""
-    passed: dict[str, inspect.Parameter] = {}
-    for source in [strategy] + ([] if module is None else [module]):
-        init = vars(source)["__init__"]
-        hints = _type_hints(init)
-        for param in inspect.signature(init).parameters.values():
-            variadic = param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
-            left_out = param.name in _OWNED_ARGS or param.name in _WRAPPER_ARGS_SET_BY_LIGHTNING
-            if variadic or left_out or param.name in passed:
-                continue
-            annotation = hints.get(param.name, Any)
-            passed[param.name] = param.replace(kind=param.KEYWORD_ONLY, annotation=annotation)
-    return tuple(passed.values())

@@ -48,14 +48,8 @@ from ray_lightning_sgd._worker import artifacts
 from ray_lightning_sgd._worker.events import EventForwarderBase, close_channel, open_channel
 from ray_lightning_sgd._worker.output import OutputForwarder
 from ray_lightning_sgd._worker.progress import ProgressReporterBase
-from ray_lightning_sgd._worker.resume import (
-    BatchStartBase,
-    ResumeCheckpointBase,
-    forget,
-    logger_versions,
-    materialise,
-    resolve_on_rank_zero,
-)
+from ray_lightning_sgd._worker.resume import BatchStartBase, ResumeCheckpointBase, logger_versions
+from ray_lightning_sgd._worker.resume_from import forget, materialise, resolve_on_rank_zero
 from ray_lightning_sgd._worker_group.context import get_worker_context
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 

@@ -1,23 +1,24 @@
-"""Runs on each worker: the run's resume checkpoints, written every N epochs when restarts are on,
-and at the step where a worker received SIGTERM (a preemption notice).
+"""Runs on each worker: the resume checkpoint's writer. :class:`ResumeCheckpointBase` saves the run's
+resume checkpoints every N epochs when restarts are on, and at the step where a worker received
+SIGTERM (a preemption notice, which the ranks exchange through
+:mod:`~ray_lightning_sgd._worker.preemption_notices`); :class:`BatchStartBase` makes it the first
+to see each batch.
 
 Rank 0 puts each new :class:`ResumePoint` in its outbox and waits until the driver holds it (the
 driver's next poll takes it into its own memory), so a point survives the loss of any worker or
-node. With ``checkpoint_storage`` only the URI travels.
+node. With ``checkpoint_storage`` only the URI travels, and older checkpoints there are deleted
+once the driver holds the new one.
 
-A point written inside an epoch resumes exactly there: the restarted attempt's train DataLoader
-skips the batches the epoch had trained (:func:`skip_first_batches`), where Lightning alone would
-train the epoch's first batches again (it resumes a plain DataLoader exactly only at an epoch's
-end).
+A point written inside an epoch records the batches the epoch had trained; the restarted attempt
+resumes exactly there (:mod:`~ray_lightning_sgd._worker.resumed_fit`), from the point that
+:mod:`~ray_lightning_sgd._worker.resume_from` makes a path Lightning loads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
-import time
 import warnings
 from typing import TYPE_CHECKING, Any, cast
 
@@ -27,19 +28,21 @@ from ray_lightning_sgd._boundary.resume_points import (
     ResumePoint,
     checkpoint_name,
     fsspec_path,
-    resolve,
     stored_points,
 )
-from ray_lightning_sgd._compat import (
-    has_callback,
-    logged_step,
-    shift_batch_counts,
-    show_as_saved_at_batch_end,
-    train_combined_loader,
+from ray_lightning_sgd._compat import logged_step, shift_batch_counts, show_as_saved_at_batch_end
+from ray_lightning_sgd._worker.preemption_notices import _Notices
+from ray_lightning_sgd._worker.resumed_fit import (
+    _is_stateful,
+    _replicas,
+    _steps_resume_inside,
+    _train_loaders,
+    skip_first_batches,
+    warn_schedulers_that_end_too_soon,
 )
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 from ray_lightning_sgd._worker_group.worker import preemption
-from ray_lightning_sgd.exceptions import RaySGDError, WorkerDiedError
+from ray_lightning_sgd.exceptions import WorkerDiedError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -49,10 +52,6 @@ log = logging.getLogger(__name__)
 
 #: How long rank 0 waits for the driver to take a resume point before it trains on regardless.
 _DELIVERY_WAIT_S = 600.0
-#: About how often the ranks of a fit exchange their SIGTERM notices (seconds).
-_EXCHANGE_EVERY_S = 0.5
-#: The most step boundaries between two exchanges.
-_MAX_BOUNDARIES = 1000
 #: The start of the warning Lightning gives when a fit resumes inside an epoch.
 _INEXACT_RESUME_WARNING = "You're resuming from a checkpoint that ended before"
 
@@ -304,34 +303,6 @@ class ResumeCheckpointBase:
         return point
 
 
-def warn_schedulers_that_end_too_soon(trainer: pl.Trainer) -> None:
-    """Runs on each worker of a resumed fit (rank 0 warns). A scheduler sized once from the
-    run's steps (``OneCycleLR(total_steps=trainer.estimated_stepping_batches)``) gets its size
-    back from the checkpoint; where the run now takes more steps (an elastic run on fewer
-    workers), it would raise at its last step, hours later: said now, with the fixes."""
-    sized = [
-        config.scheduler
-        for config in trainer.lr_scheduler_configs
-        if isinstance(getattr(config.scheduler, "total_steps", None), int)
-    ]
-    if not sized:
-        return
-    steps = trainer.estimated_stepping_batches  # no collective: lengths and limits
-    if not math.isfinite(steps):
-        return  # no end (max_epochs=-1): nothing to compare with
-    for scheduler in sized:
-        total = int(getattr(scheduler, "total_steps", 0))
-        if total < steps and trainer.global_rank == 0:
-            warnings.warn(
-                f"{type(scheduler).__name__}(total_steps={total}) came back from the resume "
-                f"checkpoint, but the resumed fit takes {steps:g} optimizer steps in all (on "
-                f"{trainer.world_size} workers): it will raise when it passes {total}. Size it "
-                "for the largest number of steps, or pass keep_global_batch_size=True to an "
-                "elastic run (each epoch then keeps its steps)",
-                stacklevel=2,
-            )
-
-
 class BatchStartBase:
     """Runs on each worker. A callback placed first, so that a fit stopped for a preemption at a
     batch's start stops before any other callback's ``on_train_batch_start`` for that batch (it
@@ -345,119 +316,6 @@ class BatchStartBase:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._resume.at_batch_start(trainer, pl_module, batch_idx)
-
-
-class _Notices:
-    """Every rank: which ranks received SIGTERM, exchanged at step boundaries by one all-reduce
-    of a flag per rank, about every :data:`_EXCHANGE_EVERY_S` (so at most that, and a step,
-    after a notice). Each exchange also agrees on the next: each rank proposes as many
-    boundaries as its recent steps take that long, and the fewest proposed wins.
-
-    Why not at every boundary: an all-reduce there cost a step of about 3.7 ms on two CPU
-    workers 0.85 ms more, also when it ran beside the step (``benchmarks/bench.py --small``).
-    """
-
-    def __init__(self) -> None:
-        self._boundaries = 0  # step boundaries this attempt has passed
-        self._next = 1  # the boundary of the next exchange: the first one at once
-        self._last: tuple[int, float] | None = None  # (boundary, time) of the last exchange
-
-    def at_boundary(self, trainer: pl.Trainer) -> list[int]:
-        """Called at each step boundary, on every rank alike: the ranks that received SIGTERM,
-        when this boundary exchanges them (else [])."""
-        self._boundaries += 1
-        if self._boundaries < self._next:
-            return []
-        import torch
-        import torch.distributed as dist
-
-        mine = preemption.received.is_set()
-        world, rank = trainer.world_size, trainer.global_rank
-        if world == 1 or not (dist.is_available() and dist.is_initialized()):
-            return [rank] if mine else []
-        proposal = 1
-        if self._last is not None:
-            boundary, at = self._last
-            per_step = (time.monotonic() - at) / max(1, self._boundaries - boundary)
-            proposal = max(1, min(_MAX_BOUNDARIES, int(_EXCHANGE_EVERY_S / max(per_step, 1e-6))))
-        values = torch.zeros(world + 1, dtype=torch.int64, device=trainer.strategy.root_device)
-        values[rank] = int(mine)
-        values[world] = -proposal  # the maximum of the negatives: the fewest proposed
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        flags = values.tolist()
-        self._next = self._boundaries - flags[world]
-        self._last = (self._boundaries, time.monotonic())
-        return [r for r in range(world) if flags[r]]
-
-
-def _is_stateful(dataloader: Any) -> bool:
-    """Whether Lightning saves and restores the iterable's position (as its ``_Stateful``)."""
-    return callable(getattr(dataloader, "state_dict", None)) and callable(
-        getattr(dataloader, "load_state_dict", None)
-    )
-
-
-def _train_loaders(trainer: pl.Trainer) -> list[Any]:
-    """The fit's train iterables, each as Lightning iterates it (never iterated here)."""
-    combined = train_combined_loader(trainer)
-    return list(combined.flattened) if combined is not None else [None]
-
-
-def _steps_resume_inside(trainer: pl.Trainer) -> bool:
-    """Whether a fit's steps resume inside an epoch as they would have gone on: not with a
-    stateful DataLoader (its saved position is a batch ahead of a batch's start) nor with a
-    GradientAccumulationScheduler (it sets the accumulation at an epoch's start, which a
-    resumed epoch does not run again)."""
-    if any(_is_stateful(loader) for loader in _train_loaders(trainer)):
-        return False
-    return not has_callback(trainer, "GradientAccumulationScheduler")
-
-
-def _replicas(dataloader: Any) -> int:
-    """How many ranks share the loader's data: its DistributedSampler's replicas (with tensor
-    parallelism fewer than the world size), else 1 (each rank reads it all)."""
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        replicas = getattr(sampler, "num_replicas", None)
-        if isinstance(replicas, int) and replicas > 0:
-            return replicas
-    return 1
-
-
-def skip_first_batches(dataloader: Any, count: int, epoch: int) -> bool:
-    """Runs on each worker. Makes the next iteration of a DataLoader the rest of ``epoch``: its
-    sampler set to that epoch, the first ``count`` batches loaded and dropped (later iterations
-    are whole), for a fit that resumes inside an epoch; False where it cannot: an iterable that
-    is no DataLoader, or an order that is new each time.
-
-    The epoch is set here because Lightning makes the resumed epoch's iterator before it sets
-    the samplers' epoch: a shuffling DistributedSampler would deal the first epoch's order.
-    """
-    from torch.utils.data import DataLoader, SequentialSampler
-
-    if not isinstance(dataloader, DataLoader):
-        return False
-    batch_sampler = dataloader.batch_sampler
-    # what deals the order: the batch sampler's sampler, or a batch sampler of its own making
-    dealer = getattr(batch_sampler, "sampler", batch_sampler or dataloader.sampler)
-    if not (callable(getattr(dealer, "set_epoch", None)) or isinstance(dealer, SequentialSampler)):
-        return False  # another order each time (a RandomSampler): no position to skip to
-    loader_class = type(dataloader)
-
-    def __iter__(self: Any) -> Any:  # replaces the class's own
-        self.__class__ = loader_class  # once: the epochs after this one are whole
-        for sampler in {id(s): s for s in (self.sampler, batch_sampler, dealer)}.values():
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
-        iterator = loader_class.__iter__(self)
-        for _ in range(count):
-            next(iterator, None)
-        return iterator
-
-    namespace = {"__iter__": __iter__, "__module__": loader_class.__module__}
-    dataloader.__class__ = type(loader_class.__name__, (loader_class,), namespace)
-    return True
 
 
 def _delete_older(storage: str, point: ResumePoint, keep_last: int) -> None:
@@ -485,56 +343,3 @@ def logger_versions(trainer: pl.Trainer) -> list[Any]:
 def _read(path: str) -> bytes:
     with open(path, "rb") as file:
         return file.read()
-
-
-def resolve_on_rank_zero(point: ResumePoint, device: Any = None) -> ResumePoint:
-    """Runs on each worker of a restarted attempt (all of them: a collective where the point
-    has a URI). Rank 0 resolves the point (:func:`resolve`) and every rank takes its answer, so that
-    no rank resumes from another checkpoint than the others (a storage that one rank reads
-    differently for a moment, an object store's listing). ``device``: where the process
-    group's objects travel (each rank's own GPU with NCCL)."""
-    if point.uri is None:
-        return point
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return resolve(point)
-    answer: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            answer[0] = resolve(point)
-        except RaySGDError as err:  # every rank raises it, none waits for the others
-            answer[0] = err
-        except Exception as err:  # noqa: BLE001 - a storage's own error: to every rank too
-            answer[0] = RaySGDError(
-                f"rank 0 could not check the resume checkpoint {point.uri}: "
-                f"{type(err).__name__}: {err}"
-            )
-    # NCCL sends objects from each rank's own GPU; other backends from the CPU
-    device = device if dist.get_backend() == "nccl" else None
-    dist.broadcast_object_list(answer, src=0, device=device)
-    if isinstance(answer[0], BaseException):
-        raise answer[0]
-    return cast("ResumePoint", answer[0])
-
-
-def materialise(point: ResumePoint) -> str:
-    """Runs on each worker. Returns a path Lightning can resume from: the point's URI, or a
-    local copy of its bytes, held by this process (see :mod:`.scratch`) until :func:`forget`."""
-    if point.uri is not None:
-        return point.uri
-    if point.data is None:
-        raise ValueError("a resume point holds either a uri or the checkpoint's bytes")
-    # the workers of a node share one copy at one path: a sharded strategy loads the path that
-    # rank 0 gives the others
-    path = os.path.join(_scratch.folder(), f"{_scratch.PREFIX}{point.name}.ckpt")
-    _scratch.sweep()  # what killed workers of this node left
-    _scratch.hold_copy(path, point.data)
-    return path
-
-
-def forget(point: ResumePoint, path: str) -> None:
-    """Runs on each worker after the call: its local copy of ``point`` goes (the last process
-    of the node that held it removes it)."""
-    if point.uri is None:
-        _scratch.release(path)

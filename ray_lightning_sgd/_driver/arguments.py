@@ -1,0 +1,256 @@
+"""Driver side: the checks of a strategy's arguments, run in its constructor before Ray is touched.
+
+Pure functions over the values given, each raising :class:`~ray_lightning_sgd.exceptions.ConfigurationError`
+with what was received and the fix: the number and sizes of the workers, what each reserves, their
+environment, the driver callbacks, the flags, the settings a kind of strategy cannot run, and the
+Lightning strategy's own arguments (``**strategy_kwargs``), which are checked against what the
+Lightning strategy and its module wrapper accept (:func:`passed_on`, which
+:mod:`~ray_lightning_sgd._driver.signature` also shows in the strategies' signatures).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ray_lightning_sgd._backend.torch import TorchConfig
+from ray_lightning_sgd._compat.flavour import Flavour
+from ray_lightning_sgd.exceptions import ConfigurationError
+
+# Lightning strategy arguments that these strategies decide themselves, and what to use instead
+OWNED_ARGS = {
+    "cluster_environment": "the strategy brings its own RayEnvironment",
+    "parallel_devices": "use num_workers and use_gpu",
+    "start_method": "Ray starts the workers",
+    "process_group_backend": "use backend_config=TorchConfig(backend=...)",
+    "timeout": "use backend_config=TorchConfig(timeout_s=...)",
+}
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value`` of the argument ``name``, which must be True or False."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def backend_config(config: Any) -> TorchConfig:
+    """``backend_config``, a :class:`TorchConfig` (the default one for None)."""
+    config = TorchConfig() if config is None else config
+    if not isinstance(config, TorchConfig):
+        raise ConfigurationError(
+            f"backend_config must be a TorchConfig, got {type(config).__name__}"
+        )
+    return config
+
+
+def check_driver_callbacks(callbacks: Any, flavour: Flavour) -> list[Any]:
+    """``driver_callbacks`` as a list; raises unless it is a list (or tuple) of Callbacks of
+    the strategy's Lightning namespace (``flavour``)."""
+    if callbacks is None:
+        return []
+    expected = flavour.callback
+    namespace = flavour.namespace
+    if isinstance(callbacks, expected):
+        raise ConfigurationError(
+            f"driver_callbacks takes a list of Callbacks, got one: {callbacks!r}; pass "
+            f"driver_callbacks=[{type(callbacks).__name__}(...)]"
+        )
+    if not isinstance(callbacks, (list, tuple)):
+        raise ConfigurationError(
+            f"driver_callbacks takes a list of {namespace} Callbacks, got {callbacks!r} "
+            f"({type(callbacks).__name__})"
+        )
+    for callback in callbacks:
+        if not isinstance(callback, expected):
+            raise ConfigurationError(
+                f"driver_callbacks takes {namespace} Callbacks, got "
+                f"{callback!r}; subclass {namespace}.callbacks.Callback"
+            )
+    return list(callbacks)
+
+
+def worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, tuple[int, ...]]:
+    """The most workers, and the sizes an elastic run may take (largest first; empty: a fixed
+    size). With ``keep_global_batch_size`` only sizes that divide the most are taken."""
+    if isinstance(num_workers, list):  # as LightningCLI and YAML give a pair
+        num_workers = tuple(num_workers)
+    if not isinstance(num_workers, tuple):
+        if keep_global_batch_size:
+            raise ConfigurationError(
+                f"keep_global_batch_size=True applies to an elastic num_workers=(min, max); with "
+                f"num_workers={num_workers!r} the global batch never changes: leave it out"
+            )
+        return num_workers, ()  # WorkerGroupConfig checks it
+    pair = num_workers
+    if len(pair) != 2 or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in pair
+    ):
+        raise ConfigurationError(
+            f"num_workers must be an int >= 1, or a (min, max) pair of them for an elastic run, "
+            f"got {num_workers!r}"
+        )
+    low, high = pair
+    if low > high:
+        raise ConfigurationError(
+            f"num_workers=({low}, {high}) has min > max; pass (min, max), e.g. ({high}, {low})"
+        )
+    sizes = tuple(
+        n for n in range(high, low - 1, -1) if not keep_global_batch_size or high % n == 0
+    )
+    if keep_global_batch_size and len(sizes) < 2 and low < high:
+        divisor = max(n for n in range(1, high) if high % n == 0)
+        raise ConfigurationError(
+            f"keep_global_batch_size=True takes only worker counts that divide max={high}, and "
+            f"num_workers=({low}, {high}) holds none below {high}: lower min (to {divisor} or "
+            "less), or pass keep_global_batch_size=False"
+        )
+    return high, sizes if len(sizes) > 1 else ()
+
+
+#: The least amount of a resource that Ray reserves (its resource precision).
+_LEAST_RESOURCE = 0.0001
+
+
+def worker_env(worker_env: Any) -> Mapping[str, str]:
+    """``worker_env`` as a dict (WorkerGroupConfig checks the names and values)."""
+    if worker_env is None:
+        return {}
+    if not isinstance(worker_env, Mapping):
+        raise ConfigurationError(
+            f"worker_env must be a dict of environment variables, such as {{'A': '1'}}, got "
+            f"{worker_env!r} ({type(worker_env).__name__})"
+        )
+    return dict(worker_env)
+
+
+def resources(
+    num_cpus_per_worker: float | None,
+    use_gpu: bool,
+    resources_per_worker: Mapping[str, float] | None,
+) -> dict[str, float]:
+    """What each worker reserves: ``resources_per_worker`` merged with ``num_cpus_per_worker``
+    (its ``CPU``) and ``use_gpu`` (a ``GPU``); a key that two of them set differently is refused."""
+    flag("use_gpu", use_gpu)
+    if num_cpus_per_worker is not None:
+        if isinstance(num_cpus_per_worker, bool) or not isinstance(
+            num_cpus_per_worker, (int, float)
+        ):
+            raise ConfigurationError(
+                f"num_cpus_per_worker must be a number > 0, got {num_cpus_per_worker!r}"
+            )
+        if not (math.isfinite(num_cpus_per_worker) and num_cpus_per_worker >= _LEAST_RESOURCE):
+            raise ConfigurationError(
+                f"num_cpus_per_worker must be a finite number > 0 (at least {_LEAST_RESOURCE}), "
+                f"got {num_cpus_per_worker}; for workers without a CPU reservation pass "
+                "resources_per_worker without 'CPU'"
+            )
+    if resources_per_worker is None:
+        resources = {"CPU": float(1 if num_cpus_per_worker is None else num_cpus_per_worker)}
+        if use_gpu:
+            resources["GPU"] = 1.0
+        return resources
+    if not isinstance(resources_per_worker, Mapping):
+        raise ConfigurationError(
+            f"resources_per_worker must be a dict such as {{'CPU': 2, 'GPU': 1}}, "
+            f"got {resources_per_worker!r}"
+        )
+    resources = dict(resources_per_worker)
+    if num_cpus_per_worker is not None:
+        if "CPU" in resources and resources["CPU"] != num_cpus_per_worker:
+            raise ConfigurationError(
+                f"num_cpus_per_worker={num_cpus_per_worker} and resources_per_worker="
+                f"{dict(resources_per_worker)} ask for different CPUs; give the CPUs once"
+            )
+        resources["CPU"] = float(num_cpus_per_worker)
+    if use_gpu:
+        resources.setdefault("GPU", 1.0)  # a fraction given there wins
+    gpus = resources.get("GPU", 0)
+    if isinstance(gpus, (int, float)) and not isinstance(gpus, bool) and gpus > 1:
+        raise ConfigurationError(
+            f"resources_per_worker={dict(resources_per_worker)} gives each worker {gpus:g} "
+            "GPUs, but a worker is one Lightning process, which trains on one device; run "
+            "one worker per GPU instead: num_workers=<number of GPUs>, use_gpu=True"
+        )
+    return resources
+
+
+def type_hints(function: Callable[..., Any]) -> dict[str, Any]:
+    """``function``'s annotations as types (its module's names resolved); those that cannot be
+    resolved are left out (they read as ``Any``)."""
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # noqa: BLE001 - a name only its module's type checking imports
+        return {}
+
+
+def _defaults(function: Callable[..., Any]) -> dict[str, Any]:
+    return {
+        name: p.default
+        for name, p in inspect.signature(function).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+
+
+def _is_default(value: Any, name: str, defaults: Mapping[str, Any]) -> bool:
+    if name not in defaults:
+        return False
+    default = defaults[name]
+    return value is default or (type(value) is type(default) and bool(value == default))
+
+
+def check_strategy_kwargs(
+    kwargs: Mapping[str, Any], name: str, strategy: type, module: type | None = None
+) -> dict[str, Any]:
+    """Returns the arguments of the Lightning ``strategy`` (and of the ``module`` wrapper it
+    builds, DDP's) that change something; raises for those the strategy owns or does not know.
+
+    An argument given with its default value is dropped: LightningCLI passes every argument it
+    finds behind ``**kwargs`` with its default.
+    """
+    accepted = {p.name for p in passed_on(strategy, module)}
+    defaults = {
+        **(_defaults(vars(module)["__init__"]) if module is not None else {}),
+        **_defaults(vars(strategy)["__init__"]),
+    }
+    kwargs = {key: value for key, value in kwargs.items() if not _is_default(value, key, defaults)}
+    for key in kwargs:
+        if key in OWNED_ARGS:
+            raise ConfigurationError(
+                f"{name} does not take {key}={kwargs[key]!r}: {OWNED_ARGS[key]}"
+            )
+        if key not in accepted:
+            raise ConfigurationError(
+                f"{name} got an unknown argument {key}={kwargs[key]!r}; besides the worker "
+                f"arguments it takes {', '.join(sorted(accepted))}"
+            )
+    return kwargs
+
+
+#: Arguments of the module wrapper (DDP, FSDP) that Lightning's strategy sets itself.
+_WRAPPER_ARGS_SET_BY_LIGHTNING = frozenset(
+    {"self", "module", "device_ids", "device_id", "output_device", "process_group"}
+)
+
+
+@functools.cache
+def passed_on(strategy: type, module: type | None) -> tuple[inspect.Parameter, ...]:
+    """The arguments of the Lightning ``strategy`` and of the ``module`` wrapper it builds that
+    ours take and pass on (not those it owns, nor those Lightning sets on the wrapper itself), as
+    keyword-only parameters with their types."""
+    passed: dict[str, inspect.Parameter] = {}
+    for source in [strategy] + ([] if module is None else [module]):
+        init = vars(source)["__init__"]
+        hints = type_hints(init)
+        for param in inspect.signature(init).parameters.values():
+            variadic = param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+            left_out = param.name in OWNED_ARGS or param.name in _WRAPPER_ARGS_SET_BY_LIGHTNING
+            if variadic or left_out or param.name in passed:
+                continue
+            annotation = hints.get(param.name, Any)
+            passed[param.name] = param.replace(kind=param.KEYWORD_ONLY, annotation=annotation)
+    return tuple(passed.values())

@@ -1,0 +1,51 @@
+"""Driver side: a SIGTERM to the driver during a launch stops its workers on the way out."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def sigterm_raises(exception: type[BaseException]) -> Iterator[None]:
+    """Driver side: SIGTERM during a launch raises ``exception`` (Lightning's SIGTERMException),
+    so that the launch stops its workers on the way out, as Ctrl-C does.
+
+    Without it, the default action would end the driver at once and leave the workers to Ray's
+    clean-up of a dead driver. A handler the user installed runs first (not the one ``ray.init``
+    installs, which only exits: the exception does that after the clean-up); an ignored SIGTERM
+    stays ignored. Only the main thread can install handlers; elsewhere nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN or previous is None:
+        yield
+        return
+
+    chained = previous if callable(previous) and not _from_ray(previous) else None
+
+    def handler(signum: int, frame: Any) -> None:
+        log.info("Received SIGTERM on the driver: stopping the workers")
+        # a second SIGTERM must not interrupt the clean-up this one starts
+        signal.signal(signal.SIGTERM, previous)
+        if chained is not None:
+            chained(signum, frame)
+        raise exception(128 + signum)  # the exit status of a process ended by the signal
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _from_ray(handler: Callable[..., Any]) -> bool:
+    return getattr(handler, "__module__", "").split(".")[0] == "ray"
