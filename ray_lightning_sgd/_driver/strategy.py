@@ -498,7 +498,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _Base):
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.training:
-            for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            for callback in _compat.hidden_callbacks_of(trainer):
                 if isinstance(callback, ResumeCheckpointBase):
                     callback.resume_inside_epoch(dataloader, trainer)
         return dataloader
