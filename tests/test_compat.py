@@ -8,15 +8,19 @@ from __future__ import annotations
 import importlib
 import inspect
 import time
+import warnings
+from typing import Any
 
 import pytest
 import ray
 import ray._private.ray_constants as ray_constants
+import torch
 
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd import lightning as rls_lightning
 from ray_lightning_sgd import pytorch_lightning as rls_pl
 from ray_lightning_sgd._compat import ray as _compat_ray
+from ray_lightning_sgd._compat.lightning import _CALLBACK_DISPATCH
 
 NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
 
@@ -564,3 +568,133 @@ def test_torch_compile_keeps_the_compiled_module_where_expected():
     )
     state = {_compat.torch.uncompiled_name(key) for key in model.state_dict()}
     assert state == set(uncompiled.state_dict())
+
+
+class _HookRecorder:
+    """A callback body for either namespace: notes its hooks in ``calls``, and what user code
+    sees in ``trainer.callbacks``."""
+
+    def __init__(self, name: str, calls: list[str], seen: list[list[Any]] | None = None) -> None:
+        super().__init__()
+        self.name, self.calls, self.seen = name, calls, seen
+        self.loaded: dict[str, Any] = {}
+
+    @property
+    def state_key(self) -> str:
+        return f"recorder.{self.name}"
+
+    def _note(self, hook: str, trainer: Any) -> None:
+        self.calls.append(f"{self.name}.{hook}")
+        if self.seen is not None:
+            self.seen.append(list(trainer.callbacks))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._note("on_train_batch_start", trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._note("on_train_epoch_end", trainer)
+
+    def setup(self, trainer, pl_module, stage):
+        self._note("setup", trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = state_dict
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self._note("on_save_checkpoint", trainer)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        self._note("on_load_checkpoint", trainer)
+        if self.seen is not None:  # the user's: our states are out of sight
+            self.seen.append(sorted(checkpoint["callbacks"]))
+
+
+def _tiny_fit_parts(namespace: str, tmp_path):
+    from torch.utils.data import DataLoader
+
+    from tests.helpers import TinyModelSteps, make_data
+
+    pl = importlib.import_module(namespace)
+    model = type("TinyModel", (TinyModelSteps, pl.LightningModule), {})()
+    kwargs = dict(
+        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    return pl, model, kwargs, DataLoader(make_data(32), batch_size=8)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_calls_hidden_callbacks_around_its_own(namespace, tmp_path):
+    pl, model, kwargs, data = _tiny_fit_parts(namespace, tmp_path)
+    callback = type("Recorder", (_HookRecorder, pl.Callback), {})
+    calls: list[str] = []
+    seen: list[list[Any]] = []
+    user = callback("user", calls, seen)
+    first, last = callback("first", calls), callback("last", calls)
+    trainer = pl.Trainer(callbacks=[user], **kwargs)
+    with _compat.hidden_callbacks(trainer, namespace, [first], [last]):
+        assert _compat.hidden_callbacks_of(trainer) == (first, last)
+        trainer.fit(model, data)
+        trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    moved = (
+        f"{namespace}.trainer.call no longer calls callbacks through {', '.join(_CALLBACK_DISPATCH)}; "
+        "update _compat.hidden_callbacks"
+    )
+    assert calls[:3] == ["first.setup", "user.setup", "last.setup"], moved
+    assert calls.count("first.on_train_batch_start") == 2, moved
+    for index, call in enumerate(calls):
+        if call == "user.on_train_batch_start":
+            assert calls[index - 1] == "first.on_train_batch_start", moved
+        if call == "user.on_train_epoch_end":
+            assert calls[index + 1] == "last.on_train_epoch_end", moved
+    assert ["first.on_save_checkpoint", "user.on_save_checkpoint", "last.on_save_checkpoint"] == [
+        c for c in calls if c.endswith("on_save_checkpoint")
+    ], moved
+    assert all(cbs == [user] for cbs in seen), "user code saw the hidden callbacks"
+    saved = torch.load(tmp_path / "saved.ckpt", weights_only=False)["callbacks"]
+    assert list(saved) == ["recorder.first", "recorder.user", "recorder.last"], moved
+
+    # loaded back: each hidden one gets its state, the user's callback sees only its own, and
+    # Lightning does not warn of a callback missing from its list
+    calls.clear()
+    seen.clear()
+    first, last = callback("first", calls), callback("last", calls)
+    trainer = pl.Trainer(callbacks=[user], **{**kwargs, "max_epochs": 2})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*callbacks used to create the checkpoint")
+        with _compat.hidden_callbacks(trainer, namespace, [first], [last]):
+            trainer.fit(model, data, ckpt_path=tmp_path / "saved.ckpt")
+    assert (first.loaded, last.loaded) == ({"name": "first"}, {"name": "last"}), moved
+    assert ["recorder.user"] in seen and all(
+        entry in ([user], ["recorder.user"]) for entry in seen
+    ), "the user's on_load_checkpoint saw the hidden callbacks' states"
+
+    # a list of Lightning's own in their place (a tuner's): the hidden ones are not called
+    with _compat.hidden_callbacks(trainer, namespace, [first], [last]):
+        trainer.callbacks = []
+        assert _compat.hidden_callbacks_of(trainer) == ()
+    assert _compat.hidden_callbacks_of(trainer) == ()
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_predict_batch_indices_are_those_lightning_gives_its_writers(namespace, tmp_path):
+    pl, model, kwargs, data = _tiny_fit_parts(namespace, tmp_path)
+    given: list[list[int]] = []
+    read: list[list[int]] = []
+
+    class Writer(pl.callbacks.BasePredictionWriter):
+        def write_on_batch_end(self, trainer, pl_module, prediction, indices, *args):
+            given.append(list(indices))
+            read.append(_compat.predict_batch_indices(trainer, args[-2], args[-1]))
+
+    pl.Trainer(callbacks=[Writer("batch")], **kwargs).predict(model, data)
+    assert given == [list(range(i, i + 8)) for i in range(0, 32, 8)]
+    assert read == given, (
+        f"{namespace}'s predict loop no longer notes a batch's indices in "
+        "_combined_loader.flattened[i].batch_sampler.seen_batch_indices; update "
+        "_compat.predict_batch_indices"
+    )

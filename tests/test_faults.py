@@ -184,7 +184,7 @@ def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(ray_cluster, tm
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
         got.fit(model, loader(shuffle=True), loader(n=32))
     assert os.path.exists(marker), "no SIGTERM was sent"
-    assert "Rank 1 (node " in caplog.text and "received SIGTERM" in caplog.text
+    assert "rank 1 (node " in caplog.text and "received SIGTERM" in caplog.text
     assert "Restart 1 (no limit) after a preemption" in caplog.text, caplog.text
     # 6 steps an epoch; the notice came in step 8: the ranks learn of it at the next exchange
     # (every step or two here) after the handler ran (in the worker's main thread)

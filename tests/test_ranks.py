@@ -1,5 +1,6 @@
 """Rank assignment is pure logic: tested on fake metadata, without Ray."""
 
+from ray_lightning_sgd._worker_group.ranks import rank_on_node
 from ray_lightning_sgd.ranks import (
     WorkerMetadata,
     assign_ranks,
@@ -62,3 +63,11 @@ def test_cpu_workers_have_no_device():
     ordered = [meta("a", 1)]
     assert visible_devices(ordered) == {"a": ()}
     assert device_index(ordered[0], ()) is None
+
+
+def test_a_rank_is_named_with_its_node_ip_and_pid_the_same_way_everywhere():
+    worker = WorkerMetadata(node_id="0123456789abcdef", node_ip="10.0.0.7", hostname="h", pid=42)
+    assert rank_on_node(3, worker) == "rank 3 (node 0123456789ab, 10.0.0.7, pid 42)"
+    assert rank_on_node(3, worker, 4) == "rank 3 of 4 (node 0123456789ab, 10.0.0.7, pid 42)"
+    assert rank_on_node(3, None) == "rank 3 (not started)"
+    assert rank_on_node(None, None) == "a worker that had not reported its metadata yet"

@@ -56,6 +56,25 @@ def _fit_ddp_spawn():
     raise AssertionError("unreachable")
 
 
+class CallbackListProbe(pl.Callback):
+    """Notes, in each hook it runs on rank 0, the Trainer's callbacks as user code sees them."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, ...]] = set()
+
+    def _note(self, trainer: pl.Trainer, *args: object, **kwargs: object) -> None:
+        self.seen.add(
+            tuple(f"{type(cb).__module__}.{type(cb).__qualname__}" for cb in trainer.callbacks)
+        )
+
+    setup = on_train_start = on_train_batch_start = on_train_epoch_end = _note
+    on_predict_start = on_predict_batch_end = teardown = _note
+
+
+def _names(callbacks: list) -> tuple[str, ...]:
+    return tuple(f"{type(cb).__module__}.{type(cb).__qualname__}" for cb in callbacks)
+
+
 def test_weights_equal_lightning_ddp_spawn(ray_cluster):
     reference_trainer, reference = _fit_ddp_spawn()
     trainer, model = _fit(RaySGDStrategy(num_workers=2))
@@ -75,12 +94,14 @@ def test_weights_equal_lightning_ddp_spawn(ray_cluster):
 def test_driver_holds_state_metrics_and_callback_state(ray_cluster, tmp_path):
     checkpoint = ModelCheckpoint(dirpath=None, monitor="val_loss", save_last=True)
     early = EarlyStopping(monitor="val_loss", patience=100)
+    probe = CallbackListProbe()
     pl.seed_everything(0)
     model = TinyModel()
     trainer = pl.Trainer(
-        strategy=RaySGDStrategy(num_workers=2),
+        # restarts on: the workers' fit has this package's resume callbacks
+        strategy=RaySGDStrategy(num_workers=2, max_failures=1),
         max_epochs=3,
-        callbacks=[checkpoint, early],
+        callbacks=[checkpoint, early, probe],
         default_root_dir=tmp_path,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -107,8 +128,21 @@ def test_driver_holds_state_metrics_and_callback_state(ray_cluster, tmp_path):
     assert early.best_score.device.type == "cpu"
     assert model.trainer is trainer
 
+    # user code on the workers saw the callbacks of the driver's Trainer, as under ddp: none of
+    # this package's (they are not profiled either, nor in the user's checkpoints)
+    assert probe.seen == {_names(trainer.callbacks)}
+    assert not any("ray_lightning_sgd" in name for name in _names(trainer.callbacks))
+    profiled = {
+        action.removeprefix("[Callback]").rsplit(".", 1)[0]
+        for action in trainer.profiler.recorded_durations
+        if action.startswith("[Callback]")
+    }
+    assert profiled <= {cb.state_key for cb in trainer.callbacks}, profiled
+
     # the weights in the driver's model are those in the best/last checkpoint written on rank 0
-    saved = torch.load(checkpoint.last_model_path, weights_only=False)["state_dict"]
+    saved_checkpoint = torch.load(checkpoint.last_model_path, weights_only=False)
+    assert set(saved_checkpoint["callbacks"]) <= {cb.state_key for cb in trainer.callbacks}
+    saved = saved_checkpoint["state_dict"]
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, saved[key])
 
@@ -131,12 +165,19 @@ def test_predict_returns_every_sample_once_in_order(ray_cluster, n):
     pl.seed_everything(0)
     model = TinyModel()
     data = loader(n=n, batch_size=8)
-    single = pl.Trainer(accelerator="cpu", devices=1, **quiet_trainer_kwargs()).predict(model, data)
-    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), **quiet_trainer_kwargs())
+    probes = CallbackListProbe(), CallbackListProbe()
+    single = pl.Trainer(
+        accelerator="cpu", devices=1, callbacks=[probes[0]], **quiet_trainer_kwargs()
+    ).predict(model, data)
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2), callbacks=[probes[1]], **quiet_trainer_kwargs()
+    )
     predicted = trainer.predict(model, data)
     assert [p.shape for p in predicted] == [p.shape for p in single]
     torch.testing.assert_close(torch.cat(predicted), torch.cat(single))
     assert trainer.state.fn == TrainerFn.PREDICTING
+    # the workers' predict shows user code the callbacks plain Lightning shows
+    assert probes[1].seen == probes[0].seen == {_names(trainer.callbacks)}
 
 
 def test_user_exception_reaches_driver_quickly_and_nothing_is_left(ray_cluster):

@@ -44,7 +44,6 @@ class Flavour:
     cuda_accelerator: type
     callback: type
     datamodule: type
-    prediction_writer: type
     progress_bar: type
     cluster_environment: type
     launcher_interface: type
@@ -73,7 +72,6 @@ class Flavour:
             cuda_accelerator=pl.accelerators.CUDAAccelerator,
             callback=pl.callbacks.Callback,
             datamodule=pl.LightningDataModule,
-            prediction_writer=pl.callbacks.BasePredictionWriter,
             progress_bar=pl.callbacks.ProgressBar,
             cluster_environment=fabric.plugins.environments.ClusterEnvironment,
             launcher_interface=launcher_interface(namespace),

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray._private.ray_constants as _ray_constants
-
-if TYPE_CHECKING:
-    # Lightning's launcher interface has no public name; strategies must return one of these
-    from pytorch_lightning.strategies.launchers.launcher import _Launcher as Launcher  # noqa: F401
-
 
 #: Ray reads this environment variable once, at import, into ``ENABLE_RAY_CLUSTER``. With it off,
 #: a local instance binds and advertises 127.0.0.1 instead of the machine's external address.

@@ -27,7 +27,7 @@ from ray_lightning_sgd._driver.replay import DriverReplay, OutputPrinter
 from ray_lightning_sgd._driver.run import Run
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail
-from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, rank_on_node
 from ray_lightning_sgd._worker_group.worker import SIGTERM_NOTICE
 from ray_lightning_sgd.exceptions import WorkerTimeoutError
 
@@ -167,7 +167,7 @@ class RunInbox:
             self._acknowledged.setdefault(rank, {})[RESUME] = mail.sequences[RESUME]
         if SIGTERM_NOTICE in mail.latest:
             self._run.sigterm_received(rank)
-            log.warning("Rank %d (%s) received SIGTERM", rank, _node_of(self._metadata, rank))
+            log.warning("%s received SIGTERM", _rank_on_node(self._metadata, rank))
             # the worker ends as soon as the driver holds the notice
             self._acknowledged.setdefault(rank, {})[SIGTERM_NOTICE] = mail.sequences[SIGTERM_NOTICE]
         if PROGRESS in mail.ages:
@@ -188,7 +188,7 @@ class RunInbox:
         if not quiet:
             return
         ranks = "; ".join(
-            f"rank {rank} ({_node_of(self._metadata, rank)}) silent for {seconds:.0f}s, last at "
+            f"{_rank_on_node(self._metadata, rank)} silent for {seconds:.0f}s, last at "
             f"{self._last_at[rank][0]} step {self._last_at[rank][1]}"
             for rank, seconds in quiet
         )
@@ -199,11 +199,8 @@ class RunInbox:
         )
 
 
-def _node_of(metadata: list[WorkerMetadata], rank: int) -> str:
-    if rank >= len(metadata):
-        return "not started"
-    meta = metadata[rank]
-    return f"node {meta.node_id[:12]}, {meta.node_ip}, pid {meta.pid}"
+def _rank_on_node(metadata: list[WorkerMetadata], rank: int) -> str:
+    return rank_on_node(rank, metadata[rank] if rank < len(metadata) else None)
 
 
 __all__ = ["OTHER_RANKS_INTERVAL_S", "PUMP_INTERVAL_S", "RunInbox"]

@@ -1,8 +1,9 @@
 """Runs on each worker: the launcher's worker half.
 
 :func:`run_on_worker` restores the driver's global state, takes the rank and device the group
-assigned, adds this package's callbacks, runs the Trainer's entry point and collects what goes back
-(:func:`_collect_results`). What crosses the process boundary is spelled out here as named tuples:
+assigned, has Lightning call this package's callbacks (hidden from ``trainer.callbacks``, as under
+``ddp``: see :func:`ray_lightning_sgd._compat.hidden_callbacks`), runs the Trainer's entry point and
+collects what goes back (:func:`_collect_results`). What crosses the process boundary is spelled out here as named tuples:
 the :class:`Payload` that goes to every worker and the :class:`WorkerOutput` that comes back.
 """
 
@@ -61,26 +62,20 @@ class _BatchIndexRecorderBase:
     """Runs on each worker. Records which samples each predicted batch held."""
 
     def __init__(self) -> None:
-        super().__init__(write_interval="batch")  # type: ignore[call-arg]
+        super().__init__()
         self.indices: dict[int, list[list[int]]] = {}
 
-    def write_on_batch_end(
+    def on_predict_batch_end(
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        prediction: Any,
-        batch_indices: Sequence[int] | None,
+        outputs: Any,
         batch: Any,
         batch_idx: int,
-        dataloader_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
-        self.indices.setdefault(dataloader_idx, []).append(list(batch_indices or []))
-
-
-@functools.cache
-def _batch_index_recorder(flavour: Flavour) -> type[_BatchIndexRecorderBase]:
-    """The recorder for one namespace: Lightning keeps batch indices only for its own writers."""
-    return type("_BatchIndexRecorder", (_BatchIndexRecorderBase, flavour.prediction_writer), {})
+        indices = _compat.predict_batch_indices(trainer, batch_idx, dataloader_idx)
+        self.indices.setdefault(dataloader_idx, []).append(indices)
 
 
 def run_on_worker(packed: Packed, imports: Sequence[str] = ()) -> Packed:
@@ -138,8 +133,9 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     trainer = payload.trainer
     recorder = None
     args, kwargs = payload.args, payload.kwargs
-    ours: list[Any] = []
-    first: list[Any] = []  # of ours, those that run before the Trainer's own callbacks
+    ours: list[Any] = []  # this package's callbacks, called after the Trainer's own
+    first: list[Any] = []  # and those called before them
+    hidden: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     resume_file = None
     tuner_exits: tuple[type[BaseException], ...] = ()
     if trainer is not None:
@@ -157,7 +153,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
         fitting = trainer.state.fn == FITTING
         tuner_exits = (_compat.tuner_exit_exception(flavour.namespace),)
         if trainer.state.fn == PREDICTING:
-            recorder = _batch_index_recorder(flavour)()
+            recorder = _callback_class(flavour, _BatchIndexRecorderBase)()
             ours.append(recorder)
         for bar in [cb for cb in callbacks_of(trainer) if isinstance(cb, flavour.progress_bar)]:
             callbacks_of(trainer).remove(bar)  # the driver shows rank 0's progress instead
@@ -186,9 +182,8 @@ def _run_payload(payload: Payload) -> WorkerOutput:
                 for logger, version in zip(trainer.loggers, resume.logger_versions, strict=False):
                     _compat.continue_logger(logger, version, resume.logged_step)
             args, kwargs = _compat.with_ckpt_path(payload.function, args, kwargs, resume_file)
-        callbacks_of(trainer).extend(ours)
-        callbacks_of(trainer)[:0] = first
-        ours += first
+        # Lightning calls them, but user code does not see them in trainer.callbacks (ddp's)
+        hidden = _compat.hidden_callbacks(trainer, flavour.namespace, first, ours)
     output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if trainer is not None:  # a Trainer's call: its output to the driver
         output = OutputForwarder()
@@ -196,7 +191,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
     if trainer is not None:  # the driver polls a Trainer's call: send_to_driver works there
         open_channel(forwarder)
     try:
-        with output:
+        with output, hidden:
             try:
                 results = payload.function(*args, **kwargs)
             except tuner_exits:  # a tuner finished: end the call as Lightning's handler does
@@ -212,8 +207,6 @@ def _run_payload(payload: Payload) -> WorkerOutput:
             forget(payload.resume, resume_file)  # a killed worker's copy: see scratch.sweep
     if trainer is None:
         return WorkerOutput(results, None, None)
-    for callback in ours:
-        callbacks_of(trainer).remove(callback)
     collected = _collect_results(trainer, results, global_rank, recorder)
     if collected.rank_zero is not None:
         files = artifacts.collect(payload.artifacts, trainer, started)

@@ -15,7 +15,6 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat
-from ray_lightning_sgd._boundary.trainer_parts import callbacks_of
 from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
 
 if TYPE_CHECKING:
@@ -40,7 +39,7 @@ class OnWorkersBase(_Base):
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.training:
-            for callback in callbacks_of(trainer):
+            for callback in _compat.hidden_callbacks_of(trainer):
                 if isinstance(callback, ResumeCheckpointBase):
                     callback.resume_inside_epoch(dataloader, trainer)
         return dataloader

@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from ray_lightning_sgd._compat import ray as _compat_ray
 from ray_lightning_sgd._compat import torch as _compat_torch
-from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, rank_on_node
 from ray_lightning_sgd._worker_group.worker import IN_COLLECTIVE
 from ray_lightning_sgd.exceptions import WorkerDiedError, WorkerGroupError
 
@@ -57,12 +57,6 @@ def remaining(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-def _where(meta: WorkerMetadata | None, rank: int | None) -> str:
-    if meta is None:
-        return "a worker that had not reported its metadata yet"
-    return f"rank {rank} (node {meta.node_id[:12]}, {meta.node_ip}, pid {meta.pid})"
-
-
 def actor_of(ref: ray.ObjectRef) -> str:
     """The id of the actor whose task returns ``ref`` ("" for a plain object)."""
     return _compat_ray.actor_id_of(ref)
@@ -94,7 +88,7 @@ def translate(err: RayError, metadata: Sequence[WorkerMetadata], actor_id: str) 
     if preempted:
         what = "died: its node was preempted"
     return WorkerDiedError(
-        f"the worker of {_where(meta, index)} {what}: {err}",
+        f"the worker of {rank_on_node(index, meta)} {what}: {err}",
         rank=-1 if index is None else index,
         node_id="" if meta is None else meta.node_id,
         preempted=preempted,

@@ -24,6 +24,24 @@ class WorkerMetadata:
     gpu_ids: tuple[str, ...] = ()
 
 
+def rank_on_node(
+    rank: int | None, meta: WorkerMetadata | None, world_size: int | None = None
+) -> str:
+    """A rank and where it runs, as every message names one:
+    ``rank 3 of 4 (node 1a2b3c4d5e6f, 10.0.0.7, pid 4242)`` (``of 4`` with ``world_size``).
+
+    The node id is cut to 12 characters, as Ray's own messages cut it; the IP alone would not
+    tell two nodes of one machine apart. Without metadata: ``rank 3 (not started)``, or, without
+    a rank either, a worker that had not reported its metadata yet.
+    """
+    if rank is None:
+        return "a worker that had not reported its metadata yet"
+    name = f"rank {rank}" if world_size is None else f"rank {rank} of {world_size}"
+    if meta is None:
+        return f"{name} (not started)"
+    return f"{name} (node {meta.node_id[:12]}, {meta.node_ip}, pid {meta.pid})"
+
+
 @dataclass(frozen=True)
 class WorkerRank:
     """Where one worker stands in the group."""

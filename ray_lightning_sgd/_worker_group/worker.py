@@ -16,7 +16,7 @@ import ray
 
 from ray_lightning_sgd._worker_group.context import current_context
 from ray_lightning_sgd._worker_group.outbox import Mail, get_outbox
-from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, rank_on_node
 
 T = TypeVar("T")
 
@@ -149,10 +149,7 @@ class _Worker:
             context = current_context()
             if context is not None:
                 rank = context.rank
-                where = (
-                    f"rank {rank.global_rank} of {rank.world_size} (node "
-                    f"{context.metadata.node_id[:12]}, {where})"
-                )
+                where = rank_on_node(rank.global_rank, context.metadata, rank.world_size)
             err.add_note(f"Raised on {where}. Worker traceback:\n{traceback.format_exc()}")
             if _raised_inside_torch(err):
                 # travels with the exception (its __dict__ is pickled): the driver may blame a
