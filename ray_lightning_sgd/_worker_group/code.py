@@ -105,7 +105,8 @@ def snapshot(node_id: str | None, ship: bool) -> DriverCode:
     sys_path = tuple(f for f, library in zip(resolved, in_libraries, strict=True) if not library)
     first_library = in_libraries.index(True) if True in in_libraries else len(resolved)
     in_front = sum(1 for folder in resolved[:first_library] if folder in sys_path)
-    own = _own_modules(sys.modules, sys_path, libraries)
+    # a copy: another thread may import while the walk runs (a collection during it may too)
+    own = _own_modules(sys.modules.copy(), sys_path, libraries)
     files = []
     for path in own.values():
         try:
@@ -323,7 +324,7 @@ def _own_modules(
     ``sys.path`` ``folders``, outside the standard library and site-packages; modules loaded
     from a file by path (not importable by name anywhere) are not among them."""
     own = {}
-    for name, module in list(modules.items()):
+    for name, module in modules.items():
         file = getattr(module, "__file__", None)
         if module is None or not file or name.split(".")[0] in _NEVER_SHIPPED:
             continue
