@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ray_lightning_sgd._worker.tune import REPORT_ON, TuneReportCallbackBase, report_to_tune
+from ray_lightning_sgd._boundary.tune import report_to_tune
+from ray_lightning_sgd._worker.tune import REPORT_ON, TuneReportCallbackBase
 
 if TYPE_CHECKING:
     from ray_lightning_sgd.pytorch_lightning import TuneReportCallback

@@ -87,8 +87,9 @@ def test_a_yaml_config_sets_the_strategy(tmp_path):
     assert strategy.worker_group_config.num_workers == 3
     assert strategy.worker_group_config.resources_per_worker == {"CPU": 0.5}
     assert strategy.worker_group_config.placement_strategy == "SPREAD"
-    assert strategy.failure_config.max_failures == 2
-    assert strategy.failure_config.progress_timeout_s == 30
+    assert strategy.run_config.max_failures == 2
+    assert strategy.failure_config is strategy.run_config  # the earlier name
+    assert strategy.run_config.progress_timeout_s == 30
 
 
 def test_a_bad_value_on_the_command_line_names_the_argument(capsys):

@@ -12,7 +12,7 @@ import torch
 from pytorch_lightning.callbacks import Callback, RichProgressBar, TQDMProgressBar
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
-from ray_lightning_sgd._driver.replay import OutputPrinter
+from ray_lightning_sgd._driver.output import OutputPrinter
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
 
 

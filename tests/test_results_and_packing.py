@@ -11,8 +11,8 @@ import torch
 
 from ray_lightning_sgd._boundary.payload import GlobalState
 from ray_lightning_sgd._boundary.results import RankPredictions
-from ray_lightning_sgd._driver.checks import _find_unpicklable
-from ray_lightning_sgd._driver.recovery import merge_predictions
+from ray_lightning_sgd._driver.packing import _find_unpicklable
+from ray_lightning_sgd._driver.results import merge_predictions
 
 
 def _distributed_batches(n: int, world: int, batch: int, output):

@@ -276,14 +276,14 @@ def test_the_preemption_watch_ends_with_each_call():
     worker = made[0]
 
     def watch_and_fail() -> None:
-        preemption.watched = True
+        preemption.grace_s = 20.0
         raise RuntimeError("the fit ended abnormally")
 
     try:
         with pytest.raises(RuntimeError):
             worker.execute(watch_and_fail)
-        assert preemption.watched is False
-        preemption.watched = True  # as a call that ended before the wrapper's clean-up
-        assert worker.execute(lambda: preemption.watched) is False
+        assert preemption.grace_s == 0.0
+        preemption.grace_s = 20.0  # as a call that ended before the wrapper's clean-up
+        assert worker.execute(lambda: preemption.grace_s) == 0.0
     finally:
-        preemption.watched = False
+        preemption.grace_s = 0.0

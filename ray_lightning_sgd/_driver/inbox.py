@@ -23,7 +23,8 @@ import time
 import ray
 
 from ray_lightning_sgd._boundary.channels import EVENTS, OUTPUT, PROGRESS, RESUME
-from ray_lightning_sgd._driver.replay import DriverReplay, OutputPrinter
+from ray_lightning_sgd._driver.output import OutputPrinter
+from ray_lightning_sgd._driver.replay import DriverReplay
 from ray_lightning_sgd._driver.run import Run
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail

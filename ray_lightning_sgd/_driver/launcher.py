@@ -35,14 +35,15 @@ from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver import artifacts, runs, signals
 from ray_lightning_sgd._driver import storage as _storage
-from ray_lightning_sgd._driver.checks import check_global_batch, check_trainer, pack_payload
-from ray_lightning_sgd._driver.failure import FailureConfig
+from ray_lightning_sgd._driver.checks import check_global_batch, check_trainer
 from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
-from ray_lightning_sgd._driver.recovery import recover_results_in_driver
+from ray_lightning_sgd._driver.packing import pack_payload
 from ray_lightning_sgd._driver.replay import DriverReplay
+from ray_lightning_sgd._driver.results import recover_results_in_driver
 from ray_lightning_sgd._driver.run import Run, describe_sizes
+from ray_lightning_sgd._driver.run_config import RunConfig
 from ray_lightning_sgd._driver.scaling import GrowthPolicy, PlacementGroupProbe
-from ray_lightning_sgd._driver.settings import LaunchSettings
+from ray_lightning_sgd._driver.strategy_view import StrategyView
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._executor.controller import Attempts, Resize, RunController
 from ray_lightning_sgd._executor.executor import BackendExecutor
@@ -77,7 +78,7 @@ class RayLauncherBase(_Base):
     #: namespace's ``RayLauncher`` names :func:`ray_lightning_sgd._worker.entry.run_on_worker`.
     worker_half: ClassVar[staticmethod[[Packed, Sequence[str]], Packed]]
 
-    def __init__(self, strategy: LaunchSettings) -> None:
+    def __init__(self, strategy: StrategyView) -> None:
         self._strategy = strategy
         #: The attempt whose workers run now (what ``kill`` stops).
         self._attempt: _Attempt | None = None
@@ -99,15 +100,15 @@ class RayLauncherBase(_Base):
         With a Trainer, the driver's Trainer and model afterwards hold what the workers produced.
         """
         call = _Call(function, args, kwargs, trainer, self._strategy.flavour)
-        failure = self._strategy.failure_config
+        config = self._strategy.run_config
         _check_call(call, self._strategy)
         cluster.connect()
         run_id = uuid.uuid4().hex[:12]
-        storage = _storage.run_folder(failure.checkpoint_storage, run_id, failure.run_name)
-        named = call.fitting and failure.run_name is not None and storage is not None
+        storage = _storage.run_folder(config.checkpoint_storage, run_id, config.run_name)
+        named = call.fitting and config.run_name is not None and storage is not None
         with contextlib.ExitStack() as held:
             if named:  # one driver at a time trains a named run: until this call ends
-                held.enter_context(runs.run_lock(str(storage), str(failure.run_name)))
+                held.enter_context(runs.run_lock(str(storage), str(config.run_name)))
             self.run = run = Run(
                 _stored_resume_point(call, self._strategy, storage) if named else None
             )
@@ -132,20 +133,20 @@ class RayLauncherBase(_Base):
     ) -> Payload:
         """Driver side: the call as the workers receive it, less each attempt's id and resume
         point; the driver's global state captured now."""
-        failure, group = self._strategy.failure_config, self._strategy.worker_group_config
+        config, group = self._strategy.run_config, self._strategy.worker_group_config
         return Payload(
             call.trainer, call.function, call.args, call.kwargs, GlobalState.capture(),
             call_id=run_id,
             forward_events=polled and bool(_driver_callbacks(call.trainer, self._strategy)),
-            report_progress=failure.progress_timeout_s is not None and polled,
+            report_progress=config.progress_timeout_s is not None and polled,
             resume_every_n_epochs=(
-                failure.checkpoint_every_n_epochs
-                if failure.writes_resume_checkpoints or group.elastic
+                config.checkpoint_every_n_epochs
+                if config.writes_resume_checkpoints or group.elastic
                 else 0
             ),
-            resume_on_preemption=failure.max_preemptions != 0,
-            resume_storage=storage, resume_keep_last=failure.keep_last,
-            resume_storage_kept=failure.run_name is not None, artifacts=mirror,
+            resume_on_preemption=config.max_preemptions != 0,
+            resume_storage=storage, resume_keep_last=config.keep_last,
+            resume_storage_kept=config.run_name is not None, artifacts=mirror,
             results_in_band=_compat.ray.driver_is_a_client(),
             global_batch_workers=(
                 group.num_workers if self._strategy.keep_global_batch_size and group.elastic else 0
@@ -157,11 +158,11 @@ class RayLauncherBase(_Base):
     ) -> RunController[_Attempt, list[WorkerOutput], ResumePoint]:
         """Driver side: the controller of this launch's attempts, with their functions and, for
         an elastic ``fit``, a growth policy."""
-        failure, group = self._strategy.failure_config, self._strategy.worker_group_config
+        config, group = self._strategy.run_config, self._strategy.worker_group_config
         growth = None
         if call.fitting and group.elastic and call.trainer is not None:
             growth = GrowthPolicy(
-                group.num_workers, failure.resize_interval_s, call.trainer.max_epochs,
+                group.num_workers, config.resize_interval_s, call.trainer.max_epochs,
                 latest=lambda: run.resume, probe=PlacementGroupProbe(group),
             )  # fmt: skip
         numbers = itertools.count()
@@ -176,7 +177,7 @@ class RayLauncherBase(_Base):
             return attempt
 
         def on_restart(cause: WorkerDiedError | Resize, count: int, resume: Any) -> None:
-            _log_restart(cause, count, resume, failure, call.fitting)
+            _log_restart(cause, count, resume, config, call.fitting)
 
         return RunController(
             Attempts(
@@ -185,9 +186,9 @@ class RayLauncherBase(_Base):
                 stop=functools.partial(self._stop_attempt, run=run, inbox=inbox),
                 resume_point=lambda: run.resume if call.fitting and inbox is not None else None,
             ),
-            max_failures=failure.max_failures,
+            max_failures=config.max_failures,
             on_restart=on_restart,
-            max_preemptions=failure.max_preemptions,
+            max_preemptions=config.max_preemptions,
             scaling=growth,
         )
 
@@ -330,7 +331,7 @@ class _Call:
         return next((a for a in values if isinstance(a, self.flavour.datamodule)), None)
 
 
-def _check_call(call: _Call, strategy: LaunchSettings) -> None:
+def _check_call(call: _Call, strategy: StrategyView) -> None:
     """Driver side, before Ray is touched: raises for a Trainer, model or storage the strategy
     cannot run."""
     if call.trainer is None:
@@ -338,16 +339,16 @@ def _check_call(call: _Call, strategy: LaunchSettings) -> None:
     check_trainer(call.trainer, strategy)
     if call.fitting:
         check_global_batch(call.trainer, call.model, strategy)
-        failure = strategy.failure_config
-        if failure.checkpoint_storage is not None:
-            _storage.check_storage(failure.checkpoint_storage, failure.run_name)
+        config = strategy.run_config
+        if config.checkpoint_storage is not None:
+            _storage.check_storage(config.checkpoint_storage, config.run_name)
 
 
 def _stored_resume_point(
-    call: _Call, strategy: LaunchSettings, storage: str | None
+    call: _Call, strategy: StrategyView, storage: str | None
 ) -> ResumePoint | None:
     """Driver side: where a named run's ``fit`` resumes: its latest stored resume point."""
-    name = str(strategy.failure_config.run_name)
+    name = str(strategy.run_config.run_name)
     settings = runs.run_settings(strategy, call.model)
     point = runs.resume_named_run(str(storage), name, settings)
     if (
@@ -363,13 +364,13 @@ def _stored_resume_point(
     return point
 
 
-def _inbox_for(call: _Call, strategy: LaunchSettings, run: Run) -> RunInbox | None:
+def _inbox_for(call: _Call, strategy: StrategyView, run: Run) -> RunInbox | None:
     """Driver side: where the workers' output, events, progress and resume points arrive; None
     for a call without a Trainer (a plain function has no callbacks to report through)."""
     if call.trainer is None:
         return None
     replay = DriverReplay(call.trainer, _driver_callbacks(call.trainer, strategy))
-    return RunInbox(replay, strategy.failure_config.progress_timeout_s, run)
+    return RunInbox(replay, strategy.run_config.progress_timeout_s, run)
 
 
 def _driver_code() -> code.DriverCode:
@@ -391,7 +392,7 @@ def _finish_artifacts(mirror: Any) -> None:
         log.warning("Could not remove the artifacts' probe file", exc_info=True)
 
 
-def _driver_callbacks(trainer: pl.Trainer | None, strategy: LaunchSettings) -> list[Callback]:
+def _driver_callbacks(trainer: pl.Trainer | None, strategy: StrategyView) -> list[Callback]:
     """Driver side: the callbacks that run on the driver: the Trainer's progress bar (the workers
     run none) and the strategy's ``driver_callbacks``."""
     if trainer is None:
@@ -404,15 +405,15 @@ def _log_restart(
     err: WorkerDiedError | Resize,
     failures: int,
     resume: ResumePoint | None,
-    failure: FailureConfig,
+    config: RunConfig,
     fitting: bool,
 ) -> None:
     if isinstance(err, Resize):
         log.info("Regroup %d: %s", failures, err)
         return
-    name, budget = ("max_failures", failure.max_failures)
+    name, budget = ("max_failures", config.max_failures)
     if err.preempted:
-        name, budget = ("max_preemptions", failure.max_preemptions)
+        name, budget = ("max_preemptions", config.max_preemptions)
     limit = "no limit" if budget == -1 else f"of {name}={budget}"
     if not fitting:
         where = "running the call again"

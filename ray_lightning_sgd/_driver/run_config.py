@@ -1,4 +1,5 @@
-"""What the strategy does about lost and stalled workers: the failure settings of a run."""
+"""Driver side: a run's settings beyond its workers: restarts and their budgets, the progress
+timeout, resume checkpoints and their storage, the run's name, the elastic resize interval."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
-class FailureConfig:
-    """What the strategy does about lost and stalled workers.
+class RunConfig:
+    """A run's settings beyond its workers: what the strategy does about lost, preempted and
+    stalled workers, where the resume checkpoints go, the run's name, and how often an elastic
+    run looks for room to grow.
 
     Args:
         max_failures: How often to restart the whole group after a worker died (0: never, -1: no

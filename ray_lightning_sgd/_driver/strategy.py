@@ -31,8 +31,8 @@ from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.precision import Family, PrecisionRequest, WorkerPrecisionBase
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver import arguments, signature
-from ray_lightning_sgd._driver.failure import FailureConfig
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
+from ray_lightning_sgd._driver.run_config import RunConfig
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._worker_group import cluster
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
@@ -175,7 +175,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         ship_driver_code: bool = True,
         **strategy_kwargs: Any,
     ) -> None:
-        self._failure_config = FailureConfig(
+        self._run_config = RunConfig(
             max_failures=max_failures,
             max_preemptions=max_preemptions,
             progress_timeout_s=progress_timeout_s,
@@ -283,14 +283,14 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     worker_env = _from_config("_worker_group_config", "worker_env")
     startup_timeout_s = _from_config("_worker_group_config", "startup_timeout_s")
     use_gpu = _from_config("_worker_group_config", "use_gpu")
-    max_failures = _from_config("_failure_config", "max_failures")
-    max_preemptions = _from_config("_failure_config", "max_preemptions")
-    progress_timeout_s = _from_config("_failure_config", "progress_timeout_s")
-    checkpoint_every_n_epochs = _from_config("_failure_config", "checkpoint_every_n_epochs")
-    checkpoint_storage = _from_config("_failure_config", "checkpoint_storage")
-    run_name = _from_config("_failure_config", "run_name")
-    keep_last = _from_config("_failure_config", "keep_last")
-    resize_interval_s = _from_config("_failure_config", "resize_interval_s")
+    max_failures = _from_config("_run_config", "max_failures")
+    max_preemptions = _from_config("_run_config", "max_preemptions")
+    progress_timeout_s = _from_config("_run_config", "progress_timeout_s")
+    checkpoint_every_n_epochs = _from_config("_run_config", "checkpoint_every_n_epochs")
+    checkpoint_storage = _from_config("_run_config", "checkpoint_storage")
+    run_name = _from_config("_run_config", "run_name")
+    keep_last = _from_config("_run_config", "keep_last")
+    resize_interval_s = _from_config("_run_config", "resize_interval_s")
 
     @property
     def keep_global_batch_size(self) -> bool:
@@ -320,9 +320,15 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         return self._backend_config
 
     @property
-    def failure_config(self) -> FailureConfig:
-        """Restarts, progress timeout and resume checkpoints."""
-        return self._failure_config
+    def run_config(self) -> RunConfig:
+        """The run's settings: restarts, the progress timeout, resume checkpoints and their
+        storage, the run's name, the elastic resize interval (read-only)."""
+        return self._run_config
+
+    @property
+    def failure_config(self) -> RunConfig:
+        """The same as :attr:`run_config` (its earlier name)."""
+        return self._run_config
 
     @property
     def driver_callbacks(self) -> list[Any]:

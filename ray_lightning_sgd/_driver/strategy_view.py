@@ -11,11 +11,11 @@ from typing import Any, Protocol
 from ray_lightning_sgd._backend.torch import TorchConfig
 from ray_lightning_sgd._boundary.precision import PrecisionRequest
 from ray_lightning_sgd._compat.flavour import Flavour
-from ray_lightning_sgd._driver.failure import FailureConfig
+from ray_lightning_sgd._driver.run_config import RunConfig
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 
 
-class LaunchSettings(Protocol):
+class StrategyView(Protocol):
     """The strategy's settings that a launch uses."""
 
     @property
@@ -31,7 +31,7 @@ class LaunchSettings(Protocol):
         """How the workers form their process group."""
 
     @property
-    def failure_config(self) -> FailureConfig:
+    def run_config(self) -> RunConfig:
         """Restarts, progress timeout and resume checkpoints."""
 
     @property

@@ -51,7 +51,7 @@ class _ShardedBase(RayStrategyBase):
 
     @override
     def _check_workers(self) -> None:
-        storage = self._failure_config.checkpoint_storage
+        storage = self._run_config.checkpoint_storage
         if storage is not None and "://" in storage and not storage.startswith("file://"):
             raise ConfigurationError(
                 f"{type(self).__name__} takes a local checkpoint_storage (a folder every worker's "

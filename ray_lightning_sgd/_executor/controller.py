@@ -105,7 +105,7 @@ class RunController(Generic[E, R, P]):
     Args:
         attempts: How to start, run and stop each attempt.
         max_failures: How many lost-worker restarts are allowed (0: none, -1: no limit), as
-            validated by ``FailureConfig``; preemptions do not count.
+            validated by ``RunConfig``; preemptions do not count.
         max_preemptions: How many restarts after a preempted node are allowed (-1: no limit).
         on_restart: Called before each restart with what ended the attempt (a
             :class:`WorkerDiedError` or a :class:`Resize`), how many of its kind so far, and

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How long a training worker that received SIGTERM trains on, at most, to the end of its step,
+#: for the run's checkpoint there (under the 30 s that Kubernetes and GCP's spot VMs allow).
+PREEMPTION_GRACE_S = 20.0
 #: How long rank 0 waits for the driver to take a resume point before it trains on regardless.
 _DELIVERY_WAIT_S = 600.0
 #: The start of the warning Lightning gives when a fit resumes inside an epoch.
@@ -173,7 +176,8 @@ class ResumeCheckpointBase:
             warn_schedulers_that_end_too_soon(trainer)
         # a stateful DataLoader's saved position would be one batch ahead of an in-epoch point
         if self._on_preemption and not self._watching and _steps_resume_inside(trainer):
-            preemption.watched = self._watching = True
+            self._watching = True
+            preemption.grace_s = PREEMPTION_GRACE_S
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_watching()
@@ -186,7 +190,8 @@ class ResumeCheckpointBase:
     def _stop_watching(self) -> None:
         self._unquiet()
         if self._watching:
-            preemption.watched = self._watching = False
+            self._watching = False
+            preemption.grace_s = 0.0
 
     def _unquiet(self) -> None:
         if self._quiet is not None:  # Lightning's warning was due before the first batch

@@ -1,17 +1,17 @@
 """Runs on each worker: the Tune report callback (see :mod:`ray_lightning_sgd.tune` for its use).
 
 Rank 0 sends each report (and the checkpoint's bytes) to the driver, the trial's process, where
-:func:`report_to_tune` hands it to Tune.
+:func:`~ray_lightning_sgd._boundary.tune.report_to_tune` hands it to Tune.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ray_lightning_sgd._boundary.tune import report_to_tune
 from ray_lightning_sgd._worker.events import send_to_driver
 from ray_lightning_sgd.exceptions import ConfigurationError
 
@@ -92,20 +92,3 @@ class TuneReportCallbackBase:
                 return file.read()
         finally:
             os.unlink(path)
-
-
-def report_to_tune(metrics: dict[str, float], data: bytes | None, filename: str) -> None:
-    """Runs on the driver (the trial's process). Reports to Tune, with the checkpoint if any."""
-    from ray import tune
-
-    if data is None:
-        tune.report(metrics)
-        return
-    folder = tempfile.mkdtemp(prefix="ray_lightning_sgd-tune-")
-    try:
-        with open(os.path.join(folder, filename), "wb") as file:
-            file.write(data)
-        # Tune copies the folder into the trial's storage before report returns
-        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)

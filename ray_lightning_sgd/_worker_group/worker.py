@@ -33,9 +33,6 @@ SIGTERM_NOTICE = "sigterm"
 #: How long a worker that received SIGTERM during a call lives on, at most, for the driver to
 #: take the notice (a spot node's or a draining node's warning: the process is about to go).
 _SIGTERM_GRACE_S = 3.0
-#: How long a training worker that received SIGTERM trains on, at most, to the end of its step,
-#: for the run's checkpoint there (under the 30 s that Kubernetes and GCP's spot VMs allow).
-PREEMPTION_GRACE_S = 20.0
 #: How long a worker whose call ended well after its SIGTERM lives on, at most, for its reply to
 #: reach the driver (which stops the group, never kept warm with such a worker, once it holds
 #: every reply).
@@ -48,8 +45,10 @@ class PreemptionNotice:
 
     def __init__(self) -> None:
         self.received = threading.Event()
-        #: Whether the running call (a ``fit``) acts on the notice at a step boundary.
-        self.watched = False
+        #: How long the running call asks to go on after a notice, at most, once the driver
+        #: holds it (0: the worker ends at once); the call's own policy (a ``fit`` that
+        #: checkpoints at its next step boundary, see :mod:`ray_lightning_sgd._worker.resume`).
+        self.grace_s = 0.0
 
 
 #: This process's notice (a worker process runs one call at a time).
@@ -68,7 +67,7 @@ class _Worker:
     preemption, then ends (the signal's default action) once the driver has the notice, within
     a few seconds; a ``fit`` that acts on the notice (:data:`preemption`) trains on, once the
     driver has the notice, to the step boundary where the ranks exchange notices, rank 0 writes
-    a resume checkpoint and the call ends, within :data:`PREEMPTION_GRACE_S`. An idle worker
+    a resume checkpoint and the call ends, within the grace the call asked for (``preemption.grace_s``). An idle worker
     ends at once, as Ray's own handler ends it.
     """
 
@@ -102,7 +101,7 @@ class _Worker:
         sequence = outbox.put_latest(SIGTERM_NOTICE, os.getpid())
         preemption.received.set()
         # a fit that checkpoints at its next step end ends the call there
-        train_on_s = PREEMPTION_GRACE_S if preemption.watched else 0.0
+        train_on_s = preemption.grace_s
 
         def end_once_delivered() -> None:
             # a driver that takes no notice is gone (Ray ends its workers): nobody restarts
@@ -137,7 +136,7 @@ class _Worker:
         self._call_ok = False
         # a call that ended abnormally (a fit killed by its thread's end, a callback that never
         # ran) must not leave a warm worker training on after a later call's SIGTERM
-        preemption.watched = False
+        preemption.grace_s = 0.0
         self._running = True
         try:
             result = fn(*args, **kwargs)
@@ -158,7 +157,7 @@ class _Worker:
             raise
         finally:
             self._running = False
-            preemption.watched = False
+            preemption.grace_s = 0.0
             self._call_ended.set()
 
 
