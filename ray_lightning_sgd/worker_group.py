@@ -12,7 +12,8 @@ from ray_lightning_sgd._worker_group.config import (
     WorkerGroupConfig,
 )
 from ray_lightning_sgd._worker_group.context import WorkerContext, get_worker_context
-from ray_lightning_sgd._worker_group.group import WorkerGroup, bundles_for_workers
+from ray_lightning_sgd._worker_group.group import WorkerGroup
+from ray_lightning_sgd._worker_group.placement import bundles_for_workers
 
 __all__ = [
     "NAME_PREFIX",

@@ -20,7 +20,7 @@ from ray_lightning_sgd import _compat
 from ray_lightning_sgd import lightning as rls_lightning
 from ray_lightning_sgd import pytorch_lightning as rls_pl
 from ray_lightning_sgd._compat import ray as _compat_ray
-from ray_lightning_sgd._compat.lightning import _CALLBACK_DISPATCH
+from ray_lightning_sgd._compat.callbacks import _CALLBACK_DISPATCH
 
 NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
 

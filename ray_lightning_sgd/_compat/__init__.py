@@ -7,6 +7,11 @@ release moves it. :mod:`.flavour` collects the public members of one Lightning n
 from __future__ import annotations
 
 from ray_lightning_sgd._compat import ray, torch
+from ray_lightning_sgd._compat.callbacks import (
+    hidden_callbacks,
+    hidden_callbacks_of,
+    predict_batch_indices,
+)
 from ray_lightning_sgd._compat.lightning import (
     HPARAMS_ATTRIBUTE,
     METRICS_KEPT,
@@ -18,12 +23,9 @@ from ray_lightning_sgd._compat.lightning import (
     continue_logger,
     end_after_tuner_exit,
     has_callback,
-    hidden_callbacks,
-    hidden_callbacks_of,
     launcher_interface,
     logged_step,
     mark_loop_finished,
-    predict_batch_indices,
     profiler_state,
     reduce_unbuilt_lazy_instance,
     set_checkpoint_selection,

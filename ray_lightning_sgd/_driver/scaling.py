@@ -30,7 +30,7 @@ from ray.util.placement_group import (
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._executor.controller import Resize
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
-from ray_lightning_sgd._worker_group.group import start_growth_probe
+from ray_lightning_sgd._worker_group.placement import start_growth_probe
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,6 @@ the :class:`Payload` that goes to every worker and the :class:`WorkerOutput` tha
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import importlib
@@ -17,6 +16,7 @@ import socket
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -126,100 +126,142 @@ def _freeze_what_imports_built(imports: Sequence[str]) -> None:
 
 
 def _run_payload(payload: Payload) -> WorkerOutput:
+    """Runs on each worker: the call, prepared, run and its results collected."""
     started = time.time()  # files the call writes are newer
     get_outbox().open(payload.call_id)
-    global_rank = get_worker_context().rank.global_rank
     payload.global_state.restore()
-    trainer = payload.trainer
-    recorder = None
-    args, kwargs = payload.args, payload.kwargs
-    ours: list[Any] = []  # this package's callbacks, called after the Trainer's own
-    first: list[Any] = []  # and those called before them
-    hidden: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    resume_file = None
-    tuner_exits: tuple[type[BaseException], ...] = ()
-    if trainer is not None:
-        strategy = trainer.strategy
-        environment = getattr(strategy, "cluster_environment", None)
-        if not isinstance(environment, RayEnvironmentBase):
-            raise TypeError(f"the Trainer's strategy has no RayEnvironment, but {environment!r}")
-        flavour: Flavour = strategy.flavour  # type: ignore[attr-defined]
-        use_own_hardware(strategy, environment, flavour, global_rank)
-        strategy.set_world_ranks()  # type: ignore[attr-defined]
-        if payload.global_batch_workers:
-            # sizes that divide the most are the only ones such a run takes
-            factor = payload.global_batch_workers // environment.world_size()
-            trainer.accumulate_grad_batches *= factor
-        fitting = trainer.state.fn == FITTING
-        tuner_exits = (_compat.tuner_exit_exception(flavour.namespace),)
-        if trainer.state.fn == PREDICTING:
-            recorder = _callback_class(flavour, _BatchIndexRecorderBase)()
-            ours.append(recorder)
-        for bar in [cb for cb in callbacks_of(trainer) if isinstance(cb, flavour.progress_bar)]:
-            callbacks_of(trainer).remove(bar)  # the driver shows rank 0's progress instead
-        if payload.forward_events and global_rank == 0:
-            ours.append(_callback_class(flavour, EventForwarderBase)())
-        if payload.report_progress:
-            ours.append(_callback_class(flavour, ProgressReporterBase)())
-        if fitting and (payload.resume_every_n_epochs or payload.resume_on_preemption):
-            resume_callback = _callback_class(flavour, ResumeCheckpointBase)(
-                payload.resume_every_n_epochs,
-                payload.resume_storage,
-                keep_last=payload.resume_keep_last,
-                keep_folder=payload.resume_storage_kept,
-                on_preemption=payload.resume_on_preemption,
-                resumed=payload.resume is not None,
-            )
-            ours.append(resume_callback)  # last: an epoch's checkpoint holds the others' work
-            # first: a fit stopped at a batch's start stops before the others' hooks for it
-            first.append(_callback_class(flavour, BatchStartBase)(resume_callback))
-        if fitting and payload.resume is not None:
-            # the point, or an older one if its file is gone: rank 0 decides for every rank
-            device = environment.device if environment.device.type == "cuda" else None
-            resume = resolve_on_rank_zero(payload.resume, device)
-            resume_file = materialise(resume)
-            if global_rank == 0:  # the only rank whose loggers write: one folder a run
-                for logger, version in zip(trainer.loggers, resume.logger_versions, strict=False):
-                    _compat.continue_logger(logger, version, resume.logged_step)
-            args, kwargs = _compat.with_ckpt_path(payload.function, args, kwargs, resume_file)
-        # Lightning calls them, but user code does not see them in trainer.callbacks (ddp's)
-        hidden = _compat.hidden_callbacks(trainer, flavour.namespace, first, ours)
-    output: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if trainer is not None:  # a Trainer's call: its output to the driver
-        output = OutputForwarder()
-    forwarder = next((cb for cb in ours if isinstance(cb, EventForwarderBase)), None)
-    if trainer is not None:  # the driver polls a Trainer's call: send_to_driver works there
-        open_channel(forwarder)
+    if payload.trainer is None:  # a plain function: nothing to prepare or bring back
+        try:
+            return WorkerOutput(payload.function(*payload.args, **payload.kwargs), None, None)
+        finally:
+            close_channel()
+    call = _prepare(payload, payload.trainer)
+    results = _run_trainer_call(payload, call)
+    return _results_of(payload, call, results, started)
+
+
+@dataclass
+class _TrainerCall:
+    """Runs on each worker: a Trainer's call as this worker runs it."""
+
+    trainer: pl.Trainer
+    flavour: Flavour
+    global_rank: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    #: This package's callbacks that Lightning calls before the Trainer's own.
+    first: list[Any] = field(default_factory=list)
+    #: And those it calls after them.
+    last: list[Any] = field(default_factory=list)
+    #: A ``predict``'s record of each batch's sample indices.
+    recorder: _BatchIndexRecorderBase | None = None
+    #: The local path of the resume checkpoint a restarted ``fit`` resumes from.
+    resume_file: str | None = None
+
+    @property
+    def forwarder(self) -> EventForwarderBase | None:
+        return next((cb for cb in self.last if isinstance(cb, EventForwarderBase)), None)
+
+
+def _prepare(payload: Payload, trainer: pl.Trainer) -> _TrainerCall:
+    """Runs on each worker: the Trainer set up for this worker's rank, device and precision,
+    this package's callbacks made, and a restarted ``fit`` pointed at its resume checkpoint."""
+    strategy = trainer.strategy
+    environment = getattr(strategy, "cluster_environment", None)
+    if not isinstance(environment, RayEnvironmentBase):
+        raise TypeError(f"the Trainer's strategy has no RayEnvironment, but {environment!r}")
+    flavour: Flavour = strategy.flavour  # type: ignore[attr-defined]
+    global_rank = get_worker_context().rank.global_rank
+    use_own_hardware(strategy, environment, flavour, global_rank)
+    strategy.set_world_ranks()  # type: ignore[attr-defined]
+    if payload.global_batch_workers:
+        # sizes that divide the most are the only ones such a run takes
+        factor = payload.global_batch_workers // environment.world_size()
+        trainer.accumulate_grad_batches *= factor
+    call = _TrainerCall(trainer, flavour, global_rank, payload.args, payload.kwargs)
+    _add_callbacks(payload, call)
+    if trainer.state.fn == FITTING and payload.resume is not None:
+        # the point, or an older one if its file is gone: rank 0 decides for every rank
+        device = environment.device if environment.device.type == "cuda" else None
+        resume = resolve_on_rank_zero(payload.resume, device)
+        call.resume_file = materialise(resume)
+        if global_rank == 0:  # the only rank whose loggers write: one folder a run
+            for logger, version in zip(trainer.loggers, resume.logger_versions, strict=False):
+                _compat.continue_logger(logger, version, resume.logged_step)
+        call.args, call.kwargs = _compat.with_ckpt_path(
+            payload.function, call.args, call.kwargs, call.resume_file
+        )
+    return call
+
+
+def _add_callbacks(payload: Payload, call: _TrainerCall) -> None:
+    """Runs on each worker: makes this package's callbacks for the call (the Trainer's progress
+    bars go: the driver shows rank 0's progress instead)."""
+    trainer, flavour = call.trainer, call.flavour
+    if trainer.state.fn == PREDICTING:
+        call.recorder = _callback_class(flavour, _BatchIndexRecorderBase)()
+        call.last.append(call.recorder)
+    for bar in [cb for cb in callbacks_of(trainer) if isinstance(cb, flavour.progress_bar)]:
+        callbacks_of(trainer).remove(bar)
+    if payload.forward_events and call.global_rank == 0:
+        call.last.append(_callback_class(flavour, EventForwarderBase)())
+    if payload.report_progress:
+        call.last.append(_callback_class(flavour, ProgressReporterBase)())
+    fitting = trainer.state.fn == FITTING
+    if fitting and (payload.resume_every_n_epochs or payload.resume_on_preemption):
+        resume_callback = _callback_class(flavour, ResumeCheckpointBase)(
+            payload.resume_every_n_epochs,
+            payload.resume_storage,
+            keep_last=payload.resume_keep_last,
+            keep_folder=payload.resume_storage_kept,
+            on_preemption=payload.resume_on_preemption,
+            resumed=payload.resume is not None,
+        )
+        call.last.append(resume_callback)  # last: an epoch's checkpoint holds the others' work
+        # first: a fit stopped at a batch's start stops before the others' hooks for it
+        call.first.append(_callback_class(flavour, BatchStartBase)(resume_callback))
+
+
+def _run_trainer_call(payload: Payload, call: _TrainerCall) -> Any:
+    """Runs on each worker: the Trainer's entry point, its output sent to the driver, this
+    package's callbacks called by Lightning but hidden from user code (as under ``ddp``)."""
+    trainer, namespace = call.trainer, call.flavour.namespace
+    tuner_exits = (_compat.tuner_exit_exception(namespace),)
+    forwarder = call.forwarder
+    open_channel(forwarder)  # the driver polls a Trainer's call: send_to_driver works there
+    hidden = _compat.hidden_callbacks(trainer, namespace, call.first, call.last)
     try:
-        with output, hidden:
+        with OutputForwarder(), hidden:
             try:
-                results = payload.function(*args, **kwargs)
+                return payload.function(*call.args, **call.kwargs)
             except tuner_exits:  # a tuner finished: end the call as Lightning's handler does
-                _compat.end_after_tuner_exit(trainer, flavour.namespace)
-                results = None
+                _compat.end_after_tuner_exit(trainer, namespace)
+                return None
     except BaseException:
         if forwarder is not None:
             forwarder.send_now()  # the driver's view gets the steps before the error
         raise
     finally:
         close_channel()
-        if resume_file is not None and payload.resume is not None:
-            forget(payload.resume, resume_file)  # a killed worker's copy: see scratch.sweep
-    if trainer is None:
-        return WorkerOutput(results, None, None)
-    collected = _collect_results(trainer, results, global_rank, recorder)
-    if collected.rank_zero is not None:
-        files = artifacts.collect(payload.artifacts, trainer, started)
-        checkpoint = collected.rank_zero.checkpoint
-        if resume_file is not None and checkpoint[0] == resume_file:
-            # a restarted fit restored our resume checkpoint (a copy deleted now, or a storage's
-            # file): the driver holds the path the user's call gave, as without the restart
-            given = _compat.ckpt_path_of(payload.function, payload.args, payload.kwargs)
-            checkpoint = (None if given is None else str(given), checkpoint[1])
-        collected = collected._replace(
-            rank_zero=collected.rank_zero._replace(files=files, checkpoint=checkpoint)
-        )
-    return collected
+        if call.resume_file is not None and payload.resume is not None:
+            forget(payload.resume, call.resume_file)  # a killed worker's copy: see _scratch.sweep
+
+
+def _results_of(payload: Payload, call: _TrainerCall, results: Any, started: float) -> WorkerOutput:
+    """Runs on each worker: what goes back to the driver; rank 0's with the files it wrote."""
+    collected = _collect_results(call.trainer, results, call.global_rank, call.recorder)
+    if collected.rank_zero is None:
+        return collected
+    files = artifacts.collect(payload.artifacts, call.trainer, started)
+    checkpoint = collected.rank_zero.checkpoint
+    if call.resume_file is not None and checkpoint[0] == call.resume_file:
+        # a restarted fit restored our resume checkpoint (a copy deleted now, or a storage's
+        # file): the driver holds the path the user's call gave, as without the restart
+        given = _compat.ckpt_path_of(payload.function, payload.args, payload.kwargs)
+        checkpoint = (None if given is None else str(given), checkpoint[1])
+    return collected._replace(
+        rank_zero=collected.rank_zero._replace(files=files, checkpoint=checkpoint)
+    )
 
 
 def use_own_hardware(
