@@ -1,14 +1,14 @@
 """The launcher: runs a Trainer entry point (fit, validate, test, predict) on a Ray worker group.
 
-Driver half. :meth:`RayLauncherBase.launch` checks the Trainer against the strategy
-(:mod:`.checks`), snapshots the driver's global state, describes the call as one
-:class:`~ray_lightning_sgd._boundary.payload.Payload`, and runs it through the
-:class:`~ray_lightning_sgd._executor.controller.RunController`: each attempt pickles the payload into
-Ray's object store while it takes workers from the pool (:mod:`ray_lightning_sgd._executor.pool`),
-runs :func:`~ray_lightning_sgd._worker.entry.run_on_worker` on every worker while the run's inbox
-(:mod:`.inbox`) polls them, and gives the workers back on every path. Rank 0's results then go into
-the driver's Trainer and model (:mod:`.recovery`). The worker half is
-:mod:`ray_lightning_sgd._worker.entry`.
+Driver half. :meth:`RayLauncherBase.launch` checks the call (:mod:`.checks`), snapshots the
+driver's global state into one :class:`~ray_lightning_sgd._boundary.payload.Payload`, and runs it
+through the :class:`~ray_lightning_sgd._executor.controller.RunController`: each attempt pickles
+the payload (:mod:`.packing`) into Ray's object store while it takes workers from the pool
+(:mod:`ray_lightning_sgd._executor.pool`), sends every worker the worker half (its namespace's
+``RayLauncher.worker_half``: :func:`ray_lightning_sgd._worker.entry.run_on_worker`) and waits
+while the inbox (:mod:`.inbox`) polls them and delivers into the launch's :class:`~.run.Run`;
+an elastic fit's :class:`~.scaling.GrowthPolicy` is asked between waits. The workers go back on
+every path. Rank 0's results then go into the driver's Trainer and model (:mod:`.results`).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def resolve_on_rank_zero(point: ResumePoint, device: Any = None) -> ResumePoint:
 
 def materialise(point: ResumePoint) -> str:
     """Runs on each worker. Returns a path Lightning can resume from: the point's URI, or a
-    local copy of its bytes, held by this process (see :mod:`.scratch`) until :func:`forget`."""
+    local copy of its bytes, held by this process (see :mod:`ray_lightning_sgd._scratch`) until :func:`forget`."""
     if point.uri is not None:
         return point.uri
     if point.data is None:
