@@ -99,6 +99,9 @@ class FakeProbe:
         self.removed = 0
         self._reads = 0
 
+    def can_grow(self) -> bool:
+        return True
+
     def start(self, size: int) -> object:
         self.started.append(size)
         self._reads = 0
@@ -113,6 +116,7 @@ class FakeProbe:
 
 
 def test_growth_waits_for_room_then_for_the_next_resume_checkpoint():
+    ray_was_up = ray.is_initialized()  # a pure policy: it never starts a local Ray instance
     clock, probe = Clock(), FakeProbe(answer_after=2)
     latest: list[ResumePoint | None] = [ResumePoint(2, 20)]
     policy = GrowthPolicy(4, 30, max_epochs=10, latest=lambda: latest[0], probe=probe, clock=clock)
@@ -133,6 +137,7 @@ def test_growth_waits_for_room_then_for_the_next_resume_checkpoint():
     # the resize found no more room (the next attempt has 1 worker again): look less often
     policy.attempt_started(1)
     assert policy._next_probe == clock.now + 60
+    assert ray.is_initialized() == ray_was_up, "the growth policy started Ray"
 
 
 def test_growth_gives_up_a_probe_the_cluster_does_not_place_and_never_grows_at_max():

@@ -43,6 +43,9 @@ _LONGEST_INTERVAL_S = 3600.0
 class RoomProbe(Protocol):
     """Asks the cluster, without waiting, whether it has room for more workers; driver side."""
 
+    def can_grow(self) -> bool:
+        """Whether the group may grow at all (not inside a fixed reservation)."""
+
     def start(self, size: int) -> Any:
         """Reserves what the group would add to its ``size`` workers; returns the reservation."""
 
@@ -58,6 +61,12 @@ class PlacementGroupProbe:
 
     def __init__(self, config: WorkerGroupConfig) -> None:
         self._config = config
+        #: Inside a Ray Tune trial's reservation (fixed), no group grows. (Asked once, of a
+        #: connected driver: the question starts a local Ray instance otherwise.)
+        self._fixed = get_current_placement_group() is not None
+
+    def can_grow(self) -> bool:
+        return not self._fixed
 
     def start(self, size: int) -> Any:
         return start_growth_probe(self._config, size)
@@ -109,8 +118,6 @@ class GrowthPolicy:
         self._room = False
         #: The size before the last resize, while the next attempt has not started.
         self._resized_from: int | None = None
-        #: Inside a Ray Tune trial's reservation (fixed), no run grows.
-        self._reservation_is_fixed = get_current_placement_group() is not None
 
     def attempt_started(self, size: int) -> None:
         """An attempt starts with ``size`` workers; the first probe waits one interval (twice
@@ -131,7 +138,7 @@ class GrowthPolicy:
         """Driver side, while the workers run: probes the cluster when due; a :class:`Resize`
         once there is room and the run's latest resume point is a checkpoint at an epoch's end
         newer than the moment room appeared."""
-        if self._size >= self._most or self._reservation_is_fixed:
+        if self._size >= self._most or not self._probe.can_grow():
             return None
         resume = self._latest()
         if not self._room:
