@@ -8,8 +8,8 @@
     trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=4))
 
 ``from ray_lightning_sgd import RaySGDStrategy`` is this class too (where ``pytorch_lightning`` is
-installed). The classes here only join the implementation (each strategy's driver half and worker half) (see
-:mod:`ray_lightning_sgd._compat.flavour`) with this namespace's Lightning bases.
+installed). The classes here only join the implementation (each strategy's worker half and driver half;
+see :mod:`ray_lightning_sgd._compat.flavour`) with this namespace's Lightning bases.
 """
 
 from __future__ import annotations

@@ -681,6 +681,26 @@ def test_lightning_calls_hidden_callbacks_around_its_own(namespace, tmp_path):
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
+def test_hidden_callbacks_stay_called_when_the_model_configures_callbacks(namespace, tmp_path):
+    pl, model, kwargs, data = _tiny_fit_parts(namespace, tmp_path)
+    callback = type("Recorder", (_HookRecorder, pl.Callback), {})
+    calls: list[str] = []
+    seen: list[list[Any]] = []
+    from_model = callback("model", calls, seen)
+    model.configure_callbacks = lambda: [from_model]  # Lightning puts a new list in place
+    first, last = callback("first", calls), callback("last", calls)
+    trainer = pl.Trainer(**kwargs)
+    with _compat.hidden_callbacks(trainer, namespace, [first], [last]):
+        trainer.fit(model, data)
+    assert calls.count("first.on_train_batch_start") == 2, (
+        f"{namespace}'s _CallbackConnector._attach_model_callbacks moved: the hidden callbacks "
+        "no longer follow the list it makes; update _compat.hidden_callbacks"
+    )
+    assert calls.count("last.on_train_epoch_end") == 1
+    assert seen and all(cbs == [from_model] for cbs in seen), "user code saw the hidden callbacks"
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
 def test_predict_batch_indices_are_those_lightning_gives_its_writers(namespace, tmp_path):
     pl, model, kwargs, data = _tiny_fit_parts(namespace, tmp_path)
     given: list[list[int]] = []

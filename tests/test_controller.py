@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from ray_lightning_sgd._executor.controller import Attempts, Resize, RunController, RunState
@@ -245,3 +247,51 @@ def test_a_preempted_worker_error_survives_pickling():
 
     again = pickle.loads(pickle.dumps(died(rank=3, preempted=True)))
     assert (again.rank, again.node_id, again.preempted) == (3, "n", True)
+
+
+def test_a_scaling_policy_that_cannot_close_neither_hides_the_error_nor_keeps_the_workers(caplog):
+    class Unclosable(Policy):
+        def close(self) -> None:
+            super().close()
+            raise RuntimeError("the probe's reservation is gone")
+
+    lost = died()
+    script = Script(lost, "done", resume_points=["epoch 1"])
+    controller = script.controller(max_failures=1, scaling=Unclosable())
+    assert controller.run() == "done"  # the lost worker still restarts the run
+    assert any("the probe's reservation is gone" in note for note in lost.__notes__)
+    # each attempt's workers were stopped (the last one kept warm) before the policy closed
+    assert [e.stopped for e in script.executors] == [False, True]
+    assert "Could not close the scaling policy" in caplog.text
+
+
+def test_an_attempt_that_fails_once_its_workers_started_gives_them_back(monkeypatch):
+    """The launcher's start of an attempt: workers taken from the pool, then sending the call
+    fails (a Ctrl-C during the payload's put, a lost connection): they go back, killed, and the
+    error is raised; the controller never sees the attempt."""
+    from ray_lightning_sgd._driver import launcher as launcher_module
+    from ray_lightning_sgd._driver.run import Run
+    from ray_lightning_sgd.pytorch_lightning import RayLauncher, RaySGDStrategy
+
+    released: list[tuple[object, bool]] = []
+
+    class Executor:
+        worker_group = SimpleNamespace(metadata=[])
+
+        def run_async(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    executor = Executor()
+    monkeypatch.setattr(launcher_module, "pack_payload", lambda payload: b"packed")
+    monkeypatch.setattr(launcher_module.ray, "put", lambda packed: "ref")
+    monkeypatch.setattr(
+        launcher_module.pool, "release", lambda e, keep, graceful: released.append((e, keep))
+    )
+    monkeypatch.setattr(launcher_module._scratch, "sweep", lambda: [])
+    launcher = RayLauncher(RaySGDStrategy(num_workers=1))
+    monkeypatch.setattr(launcher, "_start_executor", lambda: executor)
+    payload = SimpleNamespace(call_id="call-0")
+    with pytest.raises(KeyboardInterrupt):
+        launcher._start_attempt(payload, Run(), None, None)  # type: ignore[arg-type]
+    assert released == [(executor, False)], "workers of an attempt that never ran were kept"
+    assert launcher._attempt is None

@@ -32,6 +32,10 @@ _CALLBACK_DISPATCH = (
 )
 #: Marks a dispatch function of Lightning's that :func:`hidden_callbacks` wrapped.
 _WRAPS = "_ray_lightning_sgd_wraps"
+#: Lightning's callback connector and its method that, at the start of each call, replaces
+#: ``trainer.callbacks`` with a new list that also holds the model's ``configure_callbacks``.
+_CONNECTOR = ("{namespace}.trainer.connectors.callback_connector", "_CallbackConnector")
+_ATTACH_MODEL_CALLBACKS = "_attach_model_callbacks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,11 @@ def hidden_callbacks(
         original = getattr(call, name)
         if getattr(original, _WRAPS, None) is None:
             setattr(call, name, _wrapped(original, _AROUND[name]))
+    module, name = _CONNECTOR
+    connector = getattr(importlib.import_module(module.format(namespace=namespace)), name)
+    attach = getattr(connector, _ATTACH_MODEL_CALLBACKS)
+    if getattr(attach, _WRAPS, None) is None:
+        setattr(connector, _ATTACH_MODEL_CALLBACKS, _following_the_model_callbacks(attach))
     _HIDDEN[trainer] = _Hidden(trainer.callbacks, tuple(first), tuple(last))
     try:
         yield
@@ -90,6 +99,24 @@ def _active(trainer: Any) -> _Hidden | None:
     if hidden is None or trainer.callbacks is not hidden.listed:
         return None
     return hidden
+
+
+def _following_the_model_callbacks(attach: Callable[..., Any]) -> Callable[..., Any]:
+    """Lightning's ``_attach_model_callbacks``, after which the hidden callbacks go with the new
+    list it leaves in ``trainer.callbacks`` (a tuner's list, later, is another list again)."""
+
+    @functools.wraps(attach)
+    def attach_and_follow(connector: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = connector.trainer
+        before = trainer.callbacks
+        result = attach(connector, *args, **kwargs)
+        hidden = _HIDDEN.get(trainer)
+        if hidden is not None and hidden.listed is before:
+            _HIDDEN[trainer] = dataclasses.replace(hidden, listed=trainer.callbacks)
+        return result
+
+    setattr(attach_and_follow, _WRAPS, attach)
+    return attach_and_follow
 
 
 def _wrapped(original: Callable[..., Any], around: Callable[..., Any]) -> Callable[..., Any]:

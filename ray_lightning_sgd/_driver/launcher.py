@@ -99,6 +99,7 @@ class RayLauncherBase(_Base):
 
         With a Trainer, the driver's Trainer and model afterwards hold what the workers produced.
         """
+        self.run = None  # the previous launch's state goes, also when this one is refused
         call = _Call(function, args, kwargs, trainer, self._strategy.flavour)
         config = self._strategy.run_config
         _check_call(call, self._strategy)
@@ -126,7 +127,7 @@ class RayLauncherBase(_Base):
                 raise
             finally:
                 _finish_artifacts(mirror)
-        return self._bring_back(call, outputs, run)
+            return self._bring_back(call, outputs, run)  # a named run's lock held till the end
 
     def _payload(
         self, call: _Call, run_id: str, storage: str | None, mirror: Any, polled: bool
@@ -171,10 +172,7 @@ class RayLauncherBase(_Base):
             payload = template._replace(
                 call_id=f"{template.call_id}-{next(numbers)}", resume=resume
             )
-            attempt = self._start_attempt(payload, run, inbox)
-            if growth is not None:
-                growth.attempt_started(run.size)
-            return attempt
+            return self._start_attempt(payload, run, inbox, growth)
 
         def on_restart(cause: WorkerDiedError | Resize, count: int, resume: Any) -> None:
             _log_restart(cause, count, resume, config, call.fitting)
@@ -190,6 +188,7 @@ class RayLauncherBase(_Base):
             on_restart=on_restart,
             max_preemptions=config.max_preemptions,
             scaling=growth,
+            decide_every_s=PUMP_INTERVAL_S,  # asked after each poll of rank 0
         )
 
     def _bring_back(self, call: _Call, outputs: list[WorkerOutput], run: Run) -> Any:
@@ -208,10 +207,12 @@ class RayLauncherBase(_Base):
                 log.info("World size by epoch: %s", describe_sizes(run.world_sizes))
         return result
 
-    def _start_attempt(self, payload: Payload, run: Run, inbox: RunInbox | None) -> _Attempt:
+    def _start_attempt(
+        self, payload: Payload, run: Run, inbox: RunInbox | None, growth: GrowthPolicy | None
+    ) -> _Attempt:
         """Driver side: pickles the payload, puts it into the object store and, meanwhile, starts
         (or takes warm) workers; then sends them the call. Pickled first: what cannot be pickled
-        fails before any worker starts."""
+        fails before any worker starts; what fails once the workers started stops them."""
         packed = pack_payload(payload)
         putter = ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put")
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
@@ -223,11 +224,17 @@ class RayLauncherBase(_Base):
             shipped.cancel()  # nothing keeps the payload in the object store
             raise
         self._attempt = attempt = _Attempt(executor, shipped, payload.call_id)
-        run.attempt_started(executor.worker_group.metadata)
-        if inbox is not None:
-            inbox.attach(executor.worker_group, attempt.call_id)
-        imports = (self._strategy.flavour.namespace,)
-        attempt.refs = executor.run_async(self.worker_half, shipped.result(), imports)
+        try:
+            run.attempt_started(executor.worker_group.metadata)
+            if growth is not None:
+                growth.attempt_started(run.size)
+            if inbox is not None:
+                inbox.attach(executor.worker_group, attempt.call_id)
+            imports = (self._strategy.flavour.namespace,)
+            attempt.refs = executor.run_async(self.worker_half, shipped.result(), imports)
+        except BaseException:  # the controller stops only the attempts it got back
+            self._stop_attempt(attempt, succeeded=False, run=run, inbox=inbox)
+            raise
         return attempt
 
     def _wait(

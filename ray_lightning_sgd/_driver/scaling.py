@@ -61,11 +61,13 @@ class PlacementGroupProbe:
 
     def __init__(self, config: WorkerGroupConfig) -> None:
         self._config = config
-        #: Inside a Ray Tune trial's reservation (fixed), no group grows. (Asked once, of a
-        #: connected driver: the question starts a local Ray instance otherwise.)
-        self._fixed = get_current_placement_group() is not None
+        self._fixed: bool | None = None
 
     def can_grow(self) -> bool:
+        # inside a Ray Tune trial's reservation (fixed), no group grows; asked once, while the
+        # workers run (of a connected driver: the question starts a local Ray instance otherwise)
+        if self._fixed is None:
+            self._fixed = get_current_placement_group() is not None
         return not self._fixed
 
     def start(self, size: int) -> Any:

@@ -194,13 +194,27 @@ class RunController(Generic[E, R, P]):
         except BaseException as err:
             # after a failure the survivors may be stuck in a collective: the executor is killed
             self._stop(executor, succeeded=False, error=err)
+            self._close_scaling(err)
             raise
-        finally:
-            if self._scaling is not None:
-                self._scaling.close()
         # a resized attempt's workers are mid-training: stopped, never kept
-        self._stop(executor, succeeded=not isinstance(outcome, Resize), error=None)
+        resized = isinstance(outcome, Resize)
+        self._stop(
+            executor, succeeded=not resized, error=None, after="resize" if resized else "call"
+        )
+        self._close_scaling(None)
         return outcome
+
+    def _close_scaling(self, error: BaseException | None) -> None:
+        """The attempt ended: the scaling policy frees what it holds for it. What fails here
+        never replaces the attempt's error, nor its results."""
+        if self._scaling is None:
+            return
+        try:
+            self._scaling.close()
+        except Exception as close_error:  # noqa: BLE001 - a cluster's error, whatever it is
+            if error is not None:
+                error.add_note(f"Closing the scaling policy afterwards failed too: {close_error!r}")
+            log.warning("Could not close the scaling policy after the attempt: %s", close_error)
 
     def _wait(self, executor: E) -> R | Resize:
         if self._scaling is None:
@@ -216,7 +230,9 @@ class RunController(Generic[E, R, P]):
             if decision is not None:
                 return decision
 
-    def _stop(self, executor: E, succeeded: bool, error: BaseException | None) -> None:
+    def _stop(
+        self, executor: E, succeeded: bool, error: BaseException | None, after: str = "call"
+    ) -> None:
         try:
             self._attempts.stop(executor, succeeded)
         except Exception as stop_error:
@@ -225,8 +241,10 @@ class RunController(Generic[E, R, P]):
                 error.add_note(f"Stopping the workers afterwards failed too: {stop_error!r}")
                 log.debug("Stopping the workers after a failed attempt failed", exc_info=True)
             else:
-                # the call succeeded: its results stand; only keeping its workers failed
-                log.warning("Could not keep or stop the workers after the call: %s", stop_error)
+                # the call succeeded (or resizes): its results stand; only stopping failed
+                log.warning(
+                    "Could not keep or stop the workers after the %s: %s", after, stop_error
+                )
 
 
 __all__ = ["Attempts", "Resize", "RunController", "RunState", "ScalingPolicy"]

@@ -3,8 +3,10 @@
 :func:`run_on_worker` restores the driver's global state, takes the rank and device the group
 assigned, has Lightning call this package's callbacks (hidden from ``trainer.callbacks``, as under
 ``ddp``: see :func:`ray_lightning_sgd._compat.hidden_callbacks`), runs the Trainer's entry point and
-collects what goes back (:func:`_collect_results`). What crosses the process boundary is spelled out here as named tuples:
-the :class:`Payload` that goes to every worker and the :class:`WorkerOutput` that comes back.
+collects what goes back (:func:`_collect_results`). What crosses the process boundary (the
+:class:`~ray_lightning_sgd._boundary.payload.Payload` that comes to every worker and the
+:class:`~ray_lightning_sgd._boundary.results.WorkerOutput` that goes back) is in
+:mod:`ray_lightning_sgd._boundary`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A strategy of this package is two halves joined in its namespace's module
 (:mod:`ray_lightning_sgd.pytorch_lightning`, :mod:`ray_lightning_sgd.lightning`): the driver half
 (:mod:`ray_lightning_sgd._driver.strategy` and :mod:`ray_lightning_sgd._driver.variants`: the
-constructor, its checks, the launcher) and the worker half here, one mixin per kind of strategy, placed before the driver half.
+constructor, its checks, the launcher) and the worker half here, one mixin per kind of
+strategy, placed before the driver half.
 """
 
 from __future__ import annotations

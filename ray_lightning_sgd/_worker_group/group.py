@@ -418,13 +418,14 @@ class WorkerGroup:
             if deadline is not None:
                 wait_s = min(wait_s, remaining(deadline))
             ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
-            if not ready and (deadline is None or remaining(deadline)):
-                if watch is not None:
-                    watch()
-                continue
-            if not ready and not give_up:
-                return None  # type: ignore[return-value]  # (wait's answer: still running)
             if not ready:
+                time_left = deadline is None or remaining(deadline) > 0
+                if watch is not None and (time_left or not give_up):
+                    watch()  # also at the end of a wait's slice: the next may be as short
+                if time_left:
+                    continue
+                if not give_up:
+                    return None  # type: ignore[return-value]  # (wait's answer: still running)
                 raise WorkerTimeoutError(
                     f"the workers of {self._name} did not {what} within {timeout_s:.1f}s"
                 )

@@ -67,8 +67,8 @@ class _Worker:
     preemption, then ends (the signal's default action) once the driver has the notice, within
     a few seconds; a ``fit`` that acts on the notice (:data:`preemption`) trains on, once the
     driver has the notice, to the step boundary where the ranks exchange notices, rank 0 writes
-    a resume checkpoint and the call ends, within the grace the call asked for (``preemption.grace_s``). An idle worker
-    ends at once, as Ray's own handler ends it.
+    a resume checkpoint and the call ends, within the grace the call asked for
+    (``preemption.grace_s``). An idle worker ends at once, as Ray's own handler ends it.
     """
 
     def __init__(self) -> None:
