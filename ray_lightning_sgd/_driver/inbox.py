@@ -22,14 +22,13 @@ import time
 
 import ray
 
-from ray_lightning_sgd._boundary.channels import EVENTS, OUTPUT, PROGRESS, RESUME
+from ray_lightning_sgd._boundary.channels import EVENTS, OUTPUT, PROGRESS, RESUME, SIGTERM_NOTICE
 from ray_lightning_sgd._driver.output import OutputPrinter
 from ray_lightning_sgd._driver.replay import DriverReplay
 from ray_lightning_sgd._driver.run import Run
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, rank_on_node
-from ray_lightning_sgd._worker_group.worker import SIGTERM_NOTICE
 from ray_lightning_sgd.exceptions import WorkerTimeoutError
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,6 @@ class RunInbox:
         self._printer = OutputPrinter()
         self._group: WorkerGroup | None = None
         self._call_id = ""
-        self._metadata: list[WorkerMetadata] = []
         self._asked: dict[int, ray.ObjectRef] = {}
         self._next_ask: dict[int, float] = {}
         # per rank: when the driver last saw it progress (monotonic), and where it was
@@ -77,7 +75,6 @@ class RunInbox:
         ``call_id``. Every rank's progress clock starts now."""
         now = time.monotonic()
         self._group, self._call_id = group, call_id
-        self._metadata = group.metadata
         self._asked = {}
         self._next_ask = dict.fromkeys(range(len(group)), now)
         self._progress_at = dict.fromkeys(range(len(group)), now)
@@ -168,7 +165,7 @@ class RunInbox:
             self._acknowledged.setdefault(rank, {})[RESUME] = mail.sequences[RESUME]
         if SIGTERM_NOTICE in mail.latest:
             self._run.sigterm_received(rank)
-            log.warning("%s received SIGTERM", _rank_on_node(self._metadata, rank))
+            log.warning("%s received SIGTERM", _rank_on_node(self._run.metadata, rank))
             # the worker ends as soon as the driver holds the notice
             self._acknowledged.setdefault(rank, {})[SIGTERM_NOTICE] = mail.sequences[SIGTERM_NOTICE]
         if PROGRESS in mail.ages:
@@ -189,7 +186,7 @@ class RunInbox:
         if not quiet:
             return
         ranks = "; ".join(
-            f"{_rank_on_node(self._metadata, rank)} silent for {seconds:.0f}s, last at "
+            f"{_rank_on_node(self._run.metadata, rank)} silent for {seconds:.0f}s, last at "
             f"{self._last_at[rank][0]} step {self._last_at[rank][1]}"
             for rank, seconds in quiet
         )

@@ -31,18 +31,17 @@ class Run:
         self.resume = resume
         #: The ranks of the running attempt that received SIGTERM (a preemption notice).
         self.sigterm_ranks: set[int] = set()
-        #: How many workers the running attempt has (0: none started yet).
-        self.size = 0
         #: After a ``fit``: how many workers trained each epoch (empty before its end).
         self.world_sizes: dict[int, int] = {}
         # (the first epoch an attempt trains, its size), in the order the attempts started
         self._attempts: list[tuple[int, int]] = []
-        self._metadata: list[WorkerMetadata] = []
+        #: The running attempt's workers, by rank (empty: none started yet).
+        self.metadata: list[WorkerMetadata] = []
 
     def attempt_started(self, metadata: list[WorkerMetadata]) -> None:
         """An attempt starts on these workers, from :attr:`resume`."""
         resume, size = self.resume, len(metadata)
-        self._metadata, self.size, self.sigterm_ranks = metadata, size, set()
+        self.metadata, self.sigterm_ranks = metadata, set()
         # a point inside an epoch (a preemption's): that epoch ends on the new size
         first = 0 if resume is None else resume.epoch + (resume.batches is None)
         if self._attempts:
@@ -58,6 +57,11 @@ class Run:
         self.sigterm_ranks.add(rank)
 
     @property
+    def size(self) -> int:
+        """How many workers the running attempt has (0: none started yet)."""
+        return len(self.metadata)
+
+    @property
     def doomed(self) -> bool:
         """Whether a worker of the running attempt is about to end (received SIGTERM): its
         group is not one to keep warm."""
@@ -67,9 +71,9 @@ class Run:
         """A worker of the running attempt was lost: ``err`` completed with its node and whether
         it counts as a preemption (a worker warned of its end by SIGTERM: a spot node, a
         drain)."""
-        if not err.node_id and 0 <= err.rank < len(self._metadata):
+        if not err.node_id and 0 <= err.rank < len(self.metadata):
             # raised by a rank on behalf of another (a preemption notice it learned of)
-            err.node_id = self._metadata[err.rank].node_id
+            err.node_id = self.metadata[err.rank].node_id
         if err.rank in self.sigterm_ranks and not err.preempted:
             err.preempted = True
             err.add_note(f"Rank {err.rank} received SIGTERM before: counted as a preemption")
