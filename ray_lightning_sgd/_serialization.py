@@ -11,7 +11,9 @@ storage (views, tied weights) share one again after the trip.
 Ray object refs and actor handles inside the object are not pickled here: they travel in
 :class:`Packed` itself, so that Ray's serializer sees them and counts their references. Objects
 both sides hold (a Trainer, its model) can travel by name instead (``shared``): the receiving side
-puts its own object of that name in their place.
+puts its own object of that name in their place. Objects of the types named by ``set_aside``
+(Ray Data's datasets) are left out and listed in :attr:`Packed.set_aside`; the receiving side
+puts one object of its own in the place of each (``replacements``), for example its rank's shard.
 
 Anything else (GPU, sparse or quantized tensors, tensor subclasses, tensors with Python attributes)
 falls back to torch's own pickling, unchanged; with ``cpu=True`` plain GPU tensors travel as CPU
@@ -23,7 +25,7 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,9 +45,16 @@ class Packed(NamedTuple):
     #: Ray hands back (a read-only view of its object store) after a trip through Ray.
     buffers: list[Any]
     ray_objects: list[Any]
+    #: The objects left out (see :func:`pack`'s ``set_aside``), in the order of their places.
+    set_aside: tuple[Any, ...] = ()
 
 
-def pack(obj: Any, shared: dict[int, str] | None = None, cpu: bool = False) -> Packed:
+def pack(
+    obj: Any,
+    shared: dict[int, str] | None = None,
+    cpu: bool = False,
+    set_aside: tuple[type, ...] = (),
+) -> Packed:
     """Pickles ``obj`` with cloudpickle, tensor storages out of band.
 
     Args:
@@ -53,12 +62,16 @@ def pack(obj: Any, shared: dict[int, str] | None = None, cpu: bool = False) -> P
         shared: Objects (by ``id``) that are pickled as their name: :func:`unpack` takes the
             receiving side's object of that name.
         cpu: Whether tensors on other devices travel as CPU tensors (for a driver without them).
+        set_aside: Types whose objects are not pickled but listed in ``Packed.set_aside`` (each
+            object once, however often it is referred to); :func:`unpack` takes replacements.
     """
     file = io.BytesIO()
     buffers: list[pickle.PickleBuffer] = []
-    pickler = _Pickler(file, buffers, shared or {}, cpu)
+    pickler = _Pickler(file, buffers, shared or {}, cpu, set_aside)
     pickler.dump(obj)
-    return Packed(file.getvalue(), buffers, pickler.ray_objects)
+    return Packed(
+        file.getvalue(), buffers, pickler.ray_objects, tuple(pickler.set_aside)
+    )
 
 
 def in_band(packed: Packed) -> Packed:
@@ -67,17 +80,24 @@ def in_band(packed: Packed) -> Packed:
     return packed._replace(buffers=[bytes(memoryview(b)) for b in packed.buffers])
 
 
-def unpack(packed: Packed, copy: bool = True, shared: dict[str, Any] | None = None) -> Any:
+def unpack(
+    packed: Packed,
+    copy: bool = True,
+    shared: dict[str, Any] | None = None,
+    replacements: Sequence[Any] = (),
+) -> Any:
     """Rebuilds what :func:`pack` packed; every tensor owns a writable copy of its storage.
 
     With ``copy=False`` the tensors are views of the buffers instead, which after a trip through
     Ray are Ray's shared object store: read them (to copy them elsewhere), never write them.
     ``shared`` maps the names :func:`pack` gave shared objects to this side's objects; a name it
-    lacks raises ``KeyError``.
+    lacks raises ``KeyError``. ``replacements`` take the places of the objects :func:`pack` set
+    aside, one each, in their order.
     """
     unpickler = _Unpickler(
-        io.BytesIO(packed.data), packed.buffers, packed.ray_objects, copy, shared or {}
-    )
+        io.BytesIO(packed.data), packed.buffers, packed.ray_objects, copy, shared or {},
+        replacements,
+    )  # fmt: skip
     return unpickler.load()
 
 
@@ -100,9 +120,14 @@ class _Pickler(cloudpickle.CloudPickler):
         buffers: list[pickle.PickleBuffer],
         shared: dict[int, str],
         cpu: bool,
+        set_aside: tuple[type, ...],
     ) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffers.append)
         self.ray_objects: list[Any] = []
+        #: The objects set aside, in the order of their places, and each one's place by id.
+        self.set_aside: list[Any] = []
+        self._aside_places: dict[int, int] = {}
+        self._set_aside_types = set_aside
         self._shared = shared
         self._cpu = cpu
         # one _Storage per distinct storage, so that pickle's memo shares it between its tensors
@@ -112,6 +137,11 @@ class _Pickler(cloudpickle.CloudPickler):
         if isinstance(obj, (ray.ObjectRef, ray.actor.ActorHandle)):
             self.ray_objects.append(obj)
             return len(self.ray_objects) - 1
+        if self._set_aside_types and isinstance(obj, self._set_aside_types):
+            place = self._aside_places.setdefault(id(obj), len(self.set_aside))
+            if place == len(self.set_aside):
+                self.set_aside.append(obj)
+            return ("aside", place)
         name = self._shared.get(id(obj))
         return None if name is None else ("shared", name)
 
@@ -158,13 +188,17 @@ class _Unpickler(pickle.Unpickler):
         ray_objects: list[Any],
         copy: bool,
         shared: dict[str, Any],
+        replacements: Sequence[Any],
     ) -> None:
         super().__init__(file, buffers=buffers)
         self._ray_objects = ray_objects
         self._copy = copy
         self._shared = shared
+        self._replacements = replacements
 
     def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and pid[0] == "aside":
+            return self._replacements[pid[1]]
         if isinstance(pid, tuple):
             return self._shared[pid[1]]
         return self._ray_objects[pid]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from ray_lightning_sgd._boundary.data_loader import RayDataModuleBase
 from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.precision import WorkerPrecisionBase
 from ray_lightning_sgd._compat.flavour import Flavour
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     _FSDPStrategy = object
     _Callback = object
     _Precision = object
+    _DataModule = object
 else:
     _ClusterEnvironment = FLAVOUR.cluster_environment
     _Launcher = FLAVOUR.launcher_interface
@@ -48,6 +50,7 @@ else:
     _FSDPStrategy = FLAVOUR.fsdp_strategy
     _Callback = FLAVOUR.callback
     _Precision = FLAVOUR.plugins.Precision
+    _DataModule = FLAVOUR.datamodule
 
 
 class RayEnvironment(RayEnvironmentBase, _ClusterEnvironment):
@@ -91,8 +94,13 @@ class TuneReportCallback(TuneReportCallbackBase, _Callback):
     __doc__ = TuneReportCallbackBase.__doc__
 
 
+class RayDataModule(RayDataModuleBase, _DataModule):
+    __doc__ = RayDataModuleBase.__doc__
+
+
 __all__ = [
     "FLAVOUR",
+    "RayDataModule",
     "RayEnvironment",
     "RayFSDPStrategy",
     "RayLauncher",

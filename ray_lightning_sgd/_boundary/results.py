@@ -37,7 +37,7 @@ class RankPredictions(NamedTuple):
     """One rank's predictions: per dataloader, per batch, the outputs and the samples' indices."""
 
     outputs: list[list[Any]]
-    indices: list[list[list[int]]]
+    indices: list[list[list[int] | None]]
 
 
 class WorkerOutput(NamedTuple):

@@ -11,6 +11,7 @@ from ray_lightning_sgd._compat.callbacks import (
     hidden_callbacks,
     hidden_callbacks_of,
     predict_batch_indices,
+    predict_dataloader,
 )
 from ray_lightning_sgd._compat.lightning import (
     HPARAMS_ATTRIBUTE,
@@ -64,6 +65,7 @@ __all__ = [
     "logged_step",
     "mark_loop_finished",
     "predict_batch_indices",
+    "predict_dataloader",
     "profiler_state",
     "ray",
     "reduce_unbuilt_lazy_instance",

@@ -220,8 +220,14 @@ def predict_batch_indices(trainer: Any, batch_idx: int, dataloader_idx: int) -> 
     Lightning gives its prediction writers: the batch sampler it wraps each predict DataLoader's
     in (the private ``_IndexBatchSamplerWrapper``) notes each batch's. [] where there is none
     (an iterable that is no DataLoader)."""
-    loader = trainer.predict_loop._combined_loader.flattened[dataloader_idx]
+    loader = predict_dataloader(trainer, dataloader_idx)
     seen = getattr(getattr(loader, "batch_sampler", None), "seen_batch_indices", None)
     if not seen or batch_idx >= len(seen):
         return []
     return list(seen[batch_idx])
+
+
+def predict_dataloader(trainer: Any, dataloader_idx: int) -> Any:
+    """Runs on a worker, in a predict batch's hooks: the predict dataloader of that index, as
+    Lightning iterates it."""
+    return trainer.predict_loop._combined_loader.flattened[dataloader_idx]

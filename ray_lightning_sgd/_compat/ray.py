@@ -74,3 +74,17 @@ def driver_is_a_client() -> bool:
     from ray.util.client import ray as client
 
     return bool(client.is_connected())
+
+
+def known_row_count(dataset: Any) -> int | None:
+    """Driver side: the number of rows of a Ray Data ``Dataset`` when Ray Data knows it without
+    running the dataset (its plan's metadata: ``range``, ``from_items``, a materialised dataset,
+    a ``limit``), else None. The public ``Dataset.count()`` would run it."""
+    count = dataset._meta_count()
+    return None if count is None else int(count)
+
+
+def split_coordinator(iterator: Any) -> Any:
+    """Driver side: the actor that ``Dataset.streaming_split`` started to deal the blocks to its
+    iterators (one actor for all of them); Ray Data offers no call that ends it."""
+    return iterator._coord_actor

@@ -29,11 +29,12 @@ from typing_extensions import override
 
 from ray_lightning_sgd import _compat, _scratch
 from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
-from ray_lightning_sgd._boundary.payload import FITTING, GlobalState, Payload
+from ray_lightning_sgd._boundary.datasets import DatasetSplit
+from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, GlobalState, Payload
 from ray_lightning_sgd._boundary.results import WorkerOutput
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._compat.flavour import Flavour
-from ray_lightning_sgd._driver import artifacts, runs, signals
+from ray_lightning_sgd._driver import artifacts, datasets, runs, signals
 from ray_lightning_sgd._driver import storage as _storage
 from ray_lightning_sgd._driver.checks import check_global_batch, check_trainer
 from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
@@ -49,7 +50,7 @@ from ray_lightning_sgd._executor.controller import Attempts, Resize, RunControll
 from ray_lightning_sgd._executor.executor import BackendExecutor
 from ray_lightning_sgd._serialization import Packed, unpack
 from ray_lightning_sgd._worker_group import cluster, code
-from ray_lightning_sgd.exceptions import WorkerDiedError, WorkerGroupError
+from ray_lightning_sgd.exceptions import ConfigurationError, WorkerDiedError, WorkerGroupError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -76,7 +77,7 @@ class RayLauncherBase(_Base):
     #: The worker half: what each worker runs (the packed payload, the modules to import first)
     #: and returns (its packed :class:`~ray_lightning_sgd._boundary.results.WorkerOutput`); each
     #: namespace's ``RayLauncher`` names :func:`ray_lightning_sgd._worker.entry.run_on_worker`.
-    worker_half: ClassVar[staticmethod[[Packed, Sequence[str]], Packed]]
+    worker_half: ClassVar[staticmethod[[Packed, Sequence[str], Sequence[DatasetSplit]], Packed]]
 
     def __init__(self, strategy: StrategyView) -> None:
         self._strategy = strategy
@@ -212,8 +213,14 @@ class RayLauncherBase(_Base):
     ) -> _Attempt:
         """Driver side: pickles the payload, puts it into the object store and, meanwhile, starts
         (or takes warm) workers; then sends them the call. Pickled first: what cannot be pickled
-        fails before any worker starts; what fails once the workers started stops them."""
+        fails before any worker starts; what fails once the workers started stops them.
+
+        Ray Data's datasets are set aside from the payload and split once the workers are
+        placed, over this attempt's world size."""
         packed = pack_payload(payload)
+        to_split, packed = packed.set_aside, packed._replace(set_aside=())
+        if to_split:
+            datasets.check_room(self._strategy.worker_group_config)
         putter = ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put")
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
         putter.shutdown(wait=False)
@@ -230,8 +237,14 @@ class RayLauncherBase(_Base):
                 growth.attempt_started(run.size)
             if inbox is not None:
                 inbox.attach(executor.worker_group, attempt.call_id)
+            predicting = payload.trainer is not None and payload.trainer.state.fn == PREDICTING
+            attempt.splits = datasets.split(
+                to_split, executor.worker_group.metadata, predicting
+            )
             imports = (self._strategy.flavour.namespace,)
-            attempt.refs = executor.run_async(self.worker_half, shipped.result(), imports)
+            attempt.refs = executor.run_async(
+                self.worker_half, shipped.result(), imports, attempt.splits
+            )
         except BaseException:  # the controller stops only the attempts it got back
             self._stop_attempt(attempt, succeeded=False, run=run, inbox=inbox)
             raise
@@ -264,6 +277,8 @@ class RayLauncherBase(_Base):
         """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers."""
         attempt.shipped, attempt.refs = None, []  # the payload may leave the object store
         self._attempt = None
+        splits, attempt.splits = attempt.splits, []
+        datasets.close(splits)  # the workers are done with them, or about to be stopped
         executor, attempt.executor = attempt.executor, None
         try:
             if inbox is not None:
@@ -311,6 +326,8 @@ class _Attempt:
     call_id: str
     #: The workers' futures of the call, once sent.
     refs: list[ray.ObjectRef] = field(default_factory=list)
+    #: The call's Ray Data datasets, split over this attempt's ranks.
+    splits: list[DatasetSplit] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -341,6 +358,13 @@ class _Call:
 def _check_call(call: _Call, strategy: StrategyView) -> None:
     """Driver side, before Ray is touched: raises for a Trainer, model or storage the strategy
     cannot run."""
+    bare = datasets.bare_dataset([*call.args, *call.kwargs.values()])
+    if bare is not None:
+        raise ConfigurationError(
+            f"a ray.data.Dataset was passed where Lightning takes a DataLoader ({bare!r}): wrap "
+            "it, RayDataLoader(dataset, batch_size=...) (from ray_lightning_sgd.data), so that "
+            "each worker streams its share"
+        )
     if call.trainer is None:
         return
     check_trainer(call.trainer, strategy)

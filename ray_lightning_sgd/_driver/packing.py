@@ -7,6 +7,7 @@ from typing import Any
 from ray import cloudpickle
 
 from ray_lightning_sgd._boundary.payload import Payload
+from ray_lightning_sgd._driver.datasets import dataset_types
 from ray_lightning_sgd._serialization import Packed, pack
 from ray_lightning_sgd.exceptions import SerializationError
 
@@ -16,9 +17,10 @@ def pack_payload(payload: Payload) -> Packed:
 
     Tensors travel as out-of-band buffers (see :mod:`ray_lightning_sgd._serialization`): a
     dataset in memory is written into the object store once, however many workers read it.
+    Ray Data's datasets are set aside (``Packed.set_aside``): each attempt splits them.
     """
     try:
-        return pack(payload)
+        return pack(payload, set_aside=dataset_types())
     except Exception as err:  # Ray raises TypeError, pickle.PicklingError and others
         culprit = _find_unpicklable(payload, "payload")
         if culprit is None:

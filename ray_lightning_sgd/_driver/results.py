@@ -220,7 +220,8 @@ def merge_predictions(ranks: Sequence[RankPredictions]) -> list[list[Any]]:
     dataset (the first occurrence of an index wins: the sampler pads by repeating samples), and
     regrouped into batches of the dataloader's batch size. The result is what a single process
     returns. When outputs cannot be split by sample, or indices are unknown, the batches are
-    returned rank after rank, with a warning.
+    returned rank after rank, with a warning; a Ray Data loader's (whose rows have no index in
+    the dataset's order) rank after rank, without one.
     """
     num_dataloaders = max(len(r.outputs) for r in ranks)
     merged = []
@@ -237,11 +238,14 @@ def merge_predictions(ranks: Sequence[RankPredictions]) -> list[list[Any]]:
     return merged
 
 
-def _pad(indices: list[list[int]], n: int) -> list[list[int]]:
+def _pad(indices: list[list[int] | None], n: int) -> list[list[int] | None]:
     return indices + [[]] * (n - len(indices))
 
 
-def _merge_one(batches: list[tuple[Any, list[int]]]) -> list[Any]:
+def _merge_one(batches: list[tuple[Any, list[int] | None]]) -> list[Any]:
+    if batches and all(indices is None for _, indices in batches):
+        # a Ray Data shard's rows come in no order of the dataset's: rank after rank, as read
+        return [output for output, _ in batches]
     samples: dict[int, Any] = {}
     batch_size = 0
     for output, indices in batches:

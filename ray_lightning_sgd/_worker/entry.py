@@ -26,6 +26,7 @@ import torch.backends.cudnn
 
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
+from ray_lightning_sgd._boundary.datasets import DatasetShard, DatasetSplit
 from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, Payload
 from ray_lightning_sgd._boundary.precision import (
     WorkerHardware,
@@ -65,7 +66,7 @@ class _BatchIndexRecorderBase:
 
     def __init__(self) -> None:
         super().__init__()
-        self.indices: dict[int, list[list[int]]] = {}
+        self.indices: dict[int, list[list[int] | None]] = {}
 
     def on_predict_batch_end(
         self,
@@ -76,19 +77,29 @@ class _BatchIndexRecorderBase:
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        indices = _compat.predict_batch_indices(trainer, batch_idx, dataloader_idx)
+        indices: list[int] | None = None  # a Ray Data shard: rows in no order of the dataset's
+        if not isinstance(
+            getattr(_compat.predict_dataloader(trainer, dataloader_idx), "dataset", None),
+            DatasetShard,
+        ):
+            indices = _compat.predict_batch_indices(trainer, batch_idx, dataloader_idx)
         self.indices.setdefault(dataloader_idx, []).append(indices)
 
 
-def run_on_worker(packed: Packed, imports: Sequence[str] = ()) -> Packed:
+def run_on_worker(
+    packed: Packed, imports: Sequence[str] = (), splits: Sequence[DatasetSplit] = ()
+) -> Packed:
     """Runs on each worker. Runs the entry point under the assigned rank and collects results.
 
     ``imports`` are the modules the payload needs (the Trainer's Lightning namespace); they are
-    imported before the payload is unpickled, see :func:`_freeze_what_imports_built`.
+    imported before the payload is unpickled, see :func:`_freeze_what_imports_built`. ``splits``
+    are the call's Ray Data datasets, which the driver set aside from the payload: this rank's
+    shard of each takes the dataset's place.
     """
     _freeze_what_imports_built(imports)
+    rank = get_worker_context().rank.global_rank
     try:
-        payload: Payload = unpack(packed)
+        payload: Payload = unpack(packed, replacements=[each.shard(rank) for each in splits])
     except ModuleNotFoundError as err:
         raise _cannot_import(err) from err
     del packed

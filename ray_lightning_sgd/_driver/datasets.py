@@ -1,0 +1,97 @@
+"""Driver side: the Ray Data datasets of a call, split over each attempt's ranks.
+
+:func:`~ray_lightning_sgd._driver.packing.pack_payload` sets every ``ray.data.Dataset`` of the
+payload aside (:func:`dataset_types`); once an attempt's workers are placed, :func:`split` makes
+one ``streaming_split`` of each over the attempt's world size, with the workers' nodes as
+locality hints, and every worker puts its rank's shard in the dataset's place. The split's
+coordinator actor runs Ray Data's executor; the data goes from Ray Data's tasks to the workers,
+never through the driver. :func:`close` ends the coordinators when the attempt ends: no block of
+the call stays in the object store.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from ray_lightning_sgd._boundary.datasets import DatasetSplit
+from ray_lightning_sgd._compat.ray import known_row_count, split_coordinator
+from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
+from ray_lightning_sgd.exceptions import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+
+def dataset_types() -> tuple[type, ...]:
+    """The types the payload's pickling sets aside: Ray Data's ``Dataset`` once ``ray.data`` is
+    imported (a process that never imported it holds no dataset)."""
+    module = sys.modules.get("ray.data")
+    return () if module is None else (module.Dataset,)
+
+
+def bare_dataset(values: Sequence[Any]) -> Any:
+    """The first of ``values`` (a Trainer call's arguments) that is a ``ray.data.Dataset`` passed
+    where Lightning takes a DataLoader, else None."""
+    types = dataset_types()
+    return next((v for v in values if types and isinstance(v, types)), None)
+
+
+def check_room(config: WorkerGroupConfig) -> None:
+    """Before an attempt's workers start: raises when they would take every CPU of the cluster,
+    which leaves Ray Data's read and map tasks none to run on (the call would wait forever);
+    warns when less than one CPU is left."""
+    total = float(ray.cluster_resources().get("CPU", 0.0))
+    taken = config.num_workers * float(config.resources_per_worker.get("CPU", 0.0))
+    free = total - taken
+    if free >= 1:
+        return
+    what = (
+        f"the {config.num_workers} workers take {taken:g} of the cluster's {total:g} CPUs, which "
+        f"leaves {max(free, 0):g} for Ray Data's read and map tasks"
+    )
+    fixes = (
+        "leave room: fewer CPUs a worker (num_cpus_per_worker=0.5; a worker that only trains "
+        "needs little), fewer workers, or more CPUs (a CPU-only node for preprocessing: ray start "
+        "--num-cpus=N on another machine; ray.init(num_cpus=N) locally); Ray Data's own limits: "
+        "DataContext.get_current().execution_options.resource_limits"
+    )
+    if free <= 0:
+        raise ConfigurationError(f"the call streams Ray Data datasets, but {what}: {fixes}")
+    log.warning("The call streams Ray Data datasets, but %s; tasks that ask a whole CPU "
+                "(Ray Data's default) wait until one is free: %s", what, fixes)  # fmt: skip
+
+
+def split(
+    datasets: Sequence[Any], metadata: Sequence[WorkerMetadata], predicting: bool
+) -> list[DatasetSplit]:
+    """Once an attempt's workers are placed: each dataset split over them, one iterator a rank
+    (``metadata`` in rank order). ``predict`` drops no row (ranks may read different numbers);
+    the other calls split equally, so that every rank takes as many steps."""
+    hints = [meta.node_id for meta in metadata]
+    splits: list[DatasetSplit] = []
+    try:
+        for dataset in datasets:
+            rows = known_row_count(dataset)
+            iterators = dataset.streaming_split(
+                len(hints), equal=not predicting, locality_hints=hints
+            )
+            splits.append(DatasetSplit(tuple(iterators), rows, equal=not predicting))
+    except BaseException:
+        close(splits)
+        raise
+    return splits
+
+
+def close(splits: Sequence[DatasetSplit]) -> None:
+    """When an attempt ends (on every path): ends each split's coordinator actor, and with it
+    the blocks it produced. What fails here is logged, never raised."""
+    for each in splits:
+        try:
+            ray.kill(split_coordinator(each.iterators[0]), no_restart=True)
+        except Exception:  # noqa: BLE001 - a coordinator already gone, a cluster's error
+            log.warning("Could not end a dataset split's coordinator", exc_info=True)

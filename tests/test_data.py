@@ -1,0 +1,327 @@
+"""Ray Data: datasets read by ray.data from parquet files stream to the workers, split per call.
+
+Real pipelines on the session's cluster: files written with pyarrow, ``read_parquet``, a
+``map_batches`` step, uneven files. The workers take half a CPU each, which leaves Ray Data's
+read and map tasks the cluster's other CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import pytorch_lightning as pl
+import ray
+import ray.data
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
+from ray_lightning_sgd._boundary.data_loader import ray_data
+from ray_lightning_sgd._boundary.datasets import DatasetShard, DatasetSplit
+from ray_lightning_sgd._serialization import pack, unpack
+from ray_lightning_sgd.data import RayDataLoader
+from ray_lightning_sgd.lightning import RayDataModule as LRayDataModule
+from ray_lightning_sgd.lightning import RaySGDStrategy as LRaySGDStrategy
+from tests.conftest import leftovers
+
+#: Rows of each parquet file: uneven, and an odd total (the equal split drops one row a pass).
+FILE_ROWS = (301, 250, 170)
+ROWS = sum(FILE_ROWS)
+FEATURES = 8
+
+
+@pytest.fixture(scope="module")
+def parquet(tmp_path_factory) -> str:
+    """A folder of parquet files written with pyarrow: features, a label and a row id."""
+    folder = tmp_path_factory.mktemp("parquet")
+    rng = np.random.default_rng(0)
+    first = 0
+    for i, n in enumerate(FILE_ROWS):
+        x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+        table = pa.table(
+            {
+                "x": list(x),
+                "y": (x.sum(axis=1) > 0).astype(np.int64),
+                "id": np.arange(first, first + n),
+            }
+        )
+        pq.write_table(table, folder / f"part-{i}.parquet")
+        first += n
+    return str(folder)
+
+
+def _preprocess(batch: dict) -> dict:
+    """The pipeline's map_batches step: stacks and scales the features."""
+    return {"x": np.stack(batch["x"]).astype(np.float32) * 0.5, "y": batch["y"], "id": batch["id"]}
+
+
+def _val_rows(n: int = 200) -> list[dict]:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    return [{"x": x[i], "y": int(x[i].sum() > 0), "id": 10_000 + i} for i in range(n)]
+
+
+class RecorderSteps:
+    """A classifier of the rows that notes, on each rank, the ids of every batch it read."""
+
+    def __init__(
+        self, folder: str, die_at: tuple[int, int, int] | None = None, schedule: bool = False
+    ) -> None:
+        super().__init__()
+        self.schedule = schedule
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.folder = folder
+        self.die_at = die_at  # (rank, epoch, batch): that rank's process ends there, once
+
+    def _note(self, stage: str, ids: list[int], **extra) -> None:
+        record = {"stage": stage, "epoch": self.current_epoch, "pid": os.getpid(), **extra}
+        record["ids"] = ids
+        with open(Path(self.folder, f"rank-{self.global_rank}.jsonl"), "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(batch["x"]), batch["y"])
+
+    def training_step(self, batch, batch_idx):
+        if self.die_at == (self.global_rank, self.current_epoch, batch_idx):
+            marker = Path(self.folder, "died")
+            if not marker.exists():
+                marker.touch()
+                os._exit(1)
+        self._note("train", batch["id"].tolist(), batches=self.trainer.num_training_batches)
+        loss = self._loss(batch)
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        stage = "sanity" if self.trainer.sanity_checking else "val"
+        self._note(stage, batch["id"].tolist(), batches=self.trainer.num_val_batches)
+        self.log("val_loss", self._loss(batch), sync_dist=True, batch_size=len(batch["id"]))
+
+    def predict_step(self, batch, batch_idx):
+        # the row's key goes back with its prediction: Ray Data's rows come in no fixed order
+        return {"id": batch["id"], "label": self.net(batch["x"]).argmax(-1)}
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        if not self.schedule:
+            return optimizer
+        # a schedule over the run's steps: needs the loader's length
+        total = self.trainer.estimated_stepping_batches
+        self._note("schedule", [], total_steps=total)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=total)
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
+class Recorder(RecorderSteps, pl.LightningModule):
+    pass
+
+
+class LRecorder(RecorderSteps, L.LightningModule):
+    pass
+
+
+def _records(folder: Path) -> dict[int, list[dict]]:
+    return {
+        int(path.stem.split("-")[1]): [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(folder.glob("rank-*.jsonl"))
+    }
+
+
+def _ids(records: list[dict], stage: str, epoch: int, pid: int | None = None) -> list[int]:
+    return [
+        i
+        for r in records
+        if r["stage"] == stage and r["epoch"] == epoch and pid in (None, r["pid"])
+        for i in r["ids"]
+    ]
+
+
+def _data_state() -> tuple[list[str], int]:
+    """The split coordinators alive, and the objects in the object store."""
+    from ray._private import state
+    from ray._private.internal_api import memory_summary
+
+    alive = [
+        a["ActorClassName"]
+        for a in state.actors().values()
+        if a["State"] == "ALIVE" and a["ActorClassName"] == "SplitCoordinator"
+    ]
+    found = re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True))
+    return alive, int(found.group(1)) if found else -1
+
+
+def _assert_nothing_of_the_calls_left(objects_before: int) -> None:
+    deadline = time.monotonic() + 20  # ray.kill is asynchronous
+    while True:
+        coordinators, objects = _data_state()
+        if (coordinators, objects) == ([], objects_before) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert coordinators == [], "a split's coordinator outlived its call"
+    assert objects == objects_before, "blocks of the calls stayed in the object store"
+
+
+def _trainer_kwargs() -> dict:
+    return {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "enable_progress_bar": False,
+    }
+
+
+def test_each_rank_streams_an_equal_share_of_every_pass_and_predict_reads_every_row(
+    ray_cluster, parquet, tmp_path
+):
+    _, objects_before = _data_state()
+    train = ray.data.read_parquet(parquet).map_batches(_preprocess)
+    val = ray.data.from_items(_val_rows())  # a row count Ray Data knows without running it
+    model = Recorder(str(tmp_path), schedule=True)
+    strategy = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)
+    trainer = pl.Trainer(strategy=strategy, max_epochs=2, num_sanity_val_steps=2, **_trainer_kwargs())
+    # the map_batches step hides the row count from Ray Data: num_rows tells it
+    trainer.fit(model, RayDataLoader(train, batch_size=32, num_rows=ROWS),
+                RayDataLoader(val, batch_size=16))  # fmt: skip
+
+    records = _records(tmp_path)
+    assert sorted(records) == [0, 1]
+    share = ROWS // 2  # the equal split drops the odd row of each pass
+    for epoch in (0, 1):
+        ranks = [_ids(records[r], "train", epoch) for r in (0, 1)]
+        assert [len(ids) for ids in ranks] == [share, share], epoch
+        assert not set(ranks[0]) & set(ranks[1]), "a row was read by both ranks in one epoch"
+        assert len(set(ranks[0] + ranks[1])) == ROWS - 1
+        # validation is sharded too: each rank validates its half
+        vals = [_ids(records[r], "val", epoch) for r in (0, 1)]
+        assert [len(ids) for ids in vals] == [100, 100]
+        assert set(vals[0]) | set(vals[1]) == {row["id"] for row in _val_rows()}
+    # the sanity check read 2 batches and left its pass half-read; the epochs went on
+    assert [len(_ids(records[r], "sanity", 0)) for r in (0, 1)] == [32, 32]
+    # lengths known: Lightning's batch counts, and the schedule's number of steps
+    first = next(r for r in records[0] if r["stage"] == "train")
+    assert first["batches"] == -(-share // 32)
+    schedule = next(r for r in records[0] if r["stage"] == "schedule")
+    assert schedule["total_steps"] == 2 * first["batches"]
+    assert next(r for r in records[0] if r["stage"] == "val")["batches"] == [7]
+    assert trainer.global_step == 2 * first["batches"]
+
+    # sync_dist over equal shards: the metric of a DataLoader over the same rows
+    checked = trainer.validate(model, RayDataLoader(val, batch_size=16))[0]["val_loss"]
+    rows = _val_rows()
+    local = pl.Trainer(devices=1, **_trainer_kwargs())
+    expected = local.validate(model, DataLoader(rows, batch_size=16))[0]["val_loss"]
+    assert checked == pytest.approx(expected, abs=1e-6)
+
+    # predict drops no row: one prediction per row, each with its key
+    predictions = trainer.predict(model, RayDataLoader(train, batch_size=64))
+    ids = torch.cat([p["id"] for p in predictions]).tolist()
+    assert sorted(ids) == list(range(ROWS))
+    del train, val  # from_items put the validation rows into the object store: the test's
+    gc.collect()
+    _assert_nothing_of_the_calls_left(objects_before)
+    assert leftovers()[0], "the warm workers stay for the next call, as with a DataLoader"
+
+
+def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again(
+    ray_cluster, parquet, tmp_path
+):
+    _, objects_before = _data_state()
+    data = LRayDataModule(train=ray.data.read_parquet(parquet), batch_size=32)
+    model = LRecorder(str(tmp_path), die_at=(1, 1, 3))
+    strategy = LRaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5, max_failures=1)
+    trainer = L.Trainer(strategy=strategy, max_epochs=3, **_trainer_kwargs())
+    trainer.fit(model, datamodule=data)
+
+    assert Path(tmp_path, "died").exists()
+    assert trainer.current_epoch == 3
+    records = _records(tmp_path)
+    # Ray Data knows no row count for read_parquet without reading it: no length, no total
+    assert {r["batches"] for rank in records.values() for r in rank} == {float("inf")}
+    assert {r["stage"] for rank in records.values() for r in rank} == {"train"}  # no val data
+    share = ROWS // 2
+    last = {rank: records[rank][-1]["pid"] for rank in (0, 1)}
+    assert records[1][0]["pid"] != last[1], "rank 1 was not restarted"
+    for epoch in (1, 2):  # the restarted attempt read epoch 1 again, from its own split
+        ranks = [_ids(records[r], "train", epoch, pid=last[r]) for r in (0, 1)]
+        assert [len(ids) for ids in ranks] == [share, share], epoch
+        assert not set(ranks[0]) & set(ranks[1])
+    assert trainer.global_step == 3 * -(-share // 32)
+    _assert_nothing_of_the_calls_left(objects_before)
+
+
+def test_workers_that_take_every_cpu_are_refused_before_any_actor_starts(ray_cluster):
+    before = leftovers()  # idle warm workers of earlier tests
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **_trainer_kwargs())
+    with pytest.raises(ConfigurationError, match=r"take 2 of the cluster's 2 CPUs.*num_cpus_per_worker"):
+        trainer.fit(Recorder("."), RayDataLoader(ray.data.range(8), batch_size=4))
+    assert leftovers() == before
+
+
+def test_a_bare_dataset_is_refused_with_the_loader_to_wrap_it_in(ray_cluster):
+    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **_trainer_kwargs())
+    with pytest.raises(ConfigurationError, match=r"RayDataLoader\(dataset, batch_size"):
+        trainer.fit(Recorder("."), ray.data.range(8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
+        ({"drop_last": "yes"}, "drop_last must be True or False, got 'yes'"),
+        ({"dtypes": "float"}, "dtypes must be a torch.dtype"),
+        ({"num_rows": -1}, "num_rows must be an int >= 0, got -1"),
+        ({"collate_fn": 3}, "collate_fn must be a function or None, got 3"),
+    ],
+)
+def test_bad_loader_arguments_are_configuration_errors(kwargs, message):
+    shard = DatasetShard(iterator=None, rank=0, world_size=2, rows=None)
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        RayDataLoader(shard, **kwargs)
+    with pytest.raises(ConfigurationError, match="takes a ray.data.Dataset, got list"):
+        RayDataLoader([1, 2])
+
+
+def test_a_loader_knows_its_length_only_from_a_known_row_count():
+    split = DatasetSplit(iterators=("it0", "it1"), rows=101, equal=True)
+    assert len(RayDataLoader(split.shard(1), batch_size=10)) == 5  # 50 rows a rank
+    assert len(RayDataLoader(split.shard(1), batch_size=10, drop_last=True)) == 5
+    assert split.shard(1).iterator == "it1"
+    unknown = DatasetSplit(iterators=("it0", "it1"), rows=None, equal=True).shard(0)
+    with pytest.raises(TypeError, match="num_rows"):
+        len(RayDataLoader(unknown, batch_size=10))
+    assert len(RayDataLoader(unknown, batch_size=10, num_rows=101)) == 5
+    # predict's split is not equal: the ranks' rows are unknown
+    unequal = DatasetSplit(iterators=("it0", "it1"), rows=101, equal=False).shard(0)
+    with pytest.raises(TypeError):
+        len(RayDataLoader(unequal, batch_size=10, num_rows=101))
+
+
+def test_without_ray_data_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray.data", None)  # as if pyarrow were missing
+    with pytest.raises(ImportError, match=re.escape('pip install "ray_lightning_sgd[data]"')):
+        ray_data()
+
+
+def test_datasets_are_set_aside_from_the_payload_and_replaced_on_the_other_side():
+    class Big:  # stands for a Dataset: it must not be pickled
+        def __reduce__(self):
+            raise AssertionError("pickled")
+
+    big, other = Big(), Big()
+    packed = pack({"a": big, "b": [big, other]}, set_aside=(Big,))
+    assert packed.set_aside == (big, other)
+    assert unpack(packed, replacements=["A", "B"]) == {"a": "A", "b": ["A", "B"]}
