@@ -128,6 +128,27 @@ class TinyData(pl.LightningDataModule):
         return loader(self.n // 2, self.batch_size)
 
 
+def as_tuple(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A RayDataLoader's collate_fn: the (x, y) batches TinyModel takes, from Ray Data's columns."""
+    return torch.as_tensor(batch["x"]), torch.as_tensor(batch["y"])
+
+
+def tiny_ray_data(n: int = 96, batch_size: int = 8) -> pl.LightningDataModule:
+    """make_data as Ray Data datasets in a RayDataModule: TinyData's rows, streamed."""
+    import ray.data
+
+    from ray_lightning_sgd.pytorch_lightning import RayDataModule
+
+    def rows(count: int) -> list[dict]:
+        x, y = make_data(count).tensors
+        return [{"x": x[i].numpy(), "y": int(y[i])} for i in range(count)]
+
+    return RayDataModule(
+        train=ray.data.from_items(rows(n)), val=ray.data.from_items(rows(n // 2)),
+        batch_size=batch_size, collate_fn=as_tuple,
+    )  # fmt: skip
+
+
 class EpochEndCollectives(pl.LightningModule):
     """The common Lightning patterns that run collectives at epoch ends, on every rank.
 

@@ -718,3 +718,21 @@ def test_predict_batch_indices_are_those_lightning_gives_its_writers(namespace, 
         "_combined_loader.flattened[i].batch_sampler.seen_batch_indices; update "
         "_compat.predict_batch_indices"
     )
+
+
+def test_ray_data_tells_a_known_row_count_and_a_split_names_its_coordinator(ray_cluster):
+    import ray.data
+
+    assert _compat.ray.known_row_count(ray.data.range(10)) == 10, (
+        "Dataset._meta_count() no longer gives a range's rows; update _compat.ray.known_row_count"
+    )
+    mapped = ray.data.range(10).map_batches(lambda batch: batch)
+    assert _compat.ray.known_row_count(mapped) is None  # a map may change it: Ray Data says so
+    iterators = ray.data.range(10).streaming_split(2)
+    coordinator = _compat.ray.split_coordinator(iterators[0])
+    assert isinstance(coordinator, ray.actor.ActorHandle), (
+        "a streaming split's iterator no longer holds its coordinator in _coord_actor; update "
+        "_compat.ray.split_coordinator"
+    )
+    assert _compat.ray.split_coordinator(iterators[1]) == coordinator
+    ray.kill(coordinator, no_restart=True)

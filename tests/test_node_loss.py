@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import ray
+import torch
 from packaging.version import Version
 from ray.cluster_utils import Cluster
 
 from ray_lightning_sgd import RaySGDStrategy, WorkerDiedError
 from tests.conftest import leftovers
-from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
+from tests.helpers import TinyModel, loader, quiet_trainer_kwargs, tiny_ray_data
 
 # with Ray 2.52, removing a node of a ray.cluster_utils.Cluster ends the test process itself (seen in
 # CI: the whole pytest run vanished without output); Ray 2.60 removes only the node's processes
@@ -246,4 +247,68 @@ def test_an_elastic_fit_shrinks_when_a_node_is_lost_and_grows_when_one_comes_bac
     assert "Restart 1 (of max_failures=1) after a worker failure" in caplog.text
     assert "Regroup 1: the cluster has room for more than 1 workers" in caplog.text
     assert "World size by epoch: epoch" in caplog.text
+    assert leftovers() == ([], [])
+
+
+class RowsPerEpoch(pl.LightningModule):
+    """Counts, on rank 0, the rows of each epoch and the world size that read them (the attempt
+    that trains an epoch last overwrites what a lost one noted)."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+        self.net = torch.nn.Linear(8, 2)
+        self.rows = 0
+
+    def on_train_epoch_start(self) -> None:
+        self.rows = 0
+        if self.global_rank == 0:
+            Path(self.folder, f"rank-{self.trainer.world_size}").touch()
+
+    def training_step(self, batch, batch_idx):
+        self.rows += len(batch[1])
+        if not Path(self.folder, "node-removed").exists():
+            time.sleep(0.1)  # slow until the node is gone: the loss comes mid-epoch
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def on_train_epoch_end(self) -> None:
+        if self.global_rank == 0:
+            Path(self.folder, f"epoch-{self.current_epoch}").write_text(
+                f"{self.trainer.world_size} {self.rows}"
+            )
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_elastic_fit_on_ray_data_splits_again_at_the_size_it_shrank_to(
+    head_and_worker_node, tmp_path
+):
+    cluster, worker_node = head_and_worker_node
+    # half a CPU a worker, one a node: the lost node takes a rank with it
+    strategy = RaySGDStrategy(
+        num_workers=(1, 2), num_cpus_per_worker=0.5, placement_strategy="STRICT_SPREAD",
+        max_failures=1, resize_interval_s=600, reuse_workers=False,
+    )  # fmt: skip
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", max_epochs=2, enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+
+    def remove_node_in_epoch_1() -> None:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "epoch-0").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cluster.remove_node(worker_node, allow_graceful=False)
+        (tmp_path / "node-removed").touch()
+
+    remover = threading.Thread(target=remove_node_in_epoch_1, daemon=True)
+    remover.start()
+    trainer.fit(RowsPerEpoch(str(tmp_path)), datamodule=tiny_ray_data())
+    remover.join()
+    assert (tmp_path / "rank-2").exists() and (tmp_path / "rank-1").exists()
+    epochs = [(tmp_path / f"epoch-{e}").read_text() for e in range(2)]
+    # 96 rows: 48 a rank on two workers; the attempt on one, split again, reads them all
+    assert epochs == ["2 48", "1 96"], epochs
+    assert strategy.world_sizes == {0: 2, 1: 1}
     assert leftovers() == ([], [])

@@ -12,12 +12,13 @@ from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, ResourcesUnava
 from ray_lightning_sgd.tune import TuneReportCallback
 from ray_lightning_sgd.worker_group import bundles_for_workers
 from tests.conftest import leftovers
-from tests.helpers import TinyData, TinyModel
+from tests.helpers import TinyModel, tiny_ray_data
 
 
 def _strategy() -> RaySGDStrategy:
-    # half a CPU a worker: the two trials of the grid run at once on the session's 2 CPUs
-    return RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5, reuse_workers=False)
+    # a quarter CPU a worker: the two trials of the grid run at once on the session's 2 CPUs,
+    # and Ray Data's tasks, which feed them, have the other CPU
+    return RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.25, reuse_workers=False)
 
 
 def _trial(config: dict) -> None:
@@ -38,14 +39,15 @@ def _trial(config: dict) -> None:
             TuneReportCallback({"acc": "val_acc", "loss": "val_loss"}, save_checkpoints=True)
         ],
     )
-    trainer.fit(model, datamodule=TinyData())
+    # the trial streams its data from Ray Data datasets that the trial (the run's driver) made
+    trainer.fit(model, datamodule=tiny_ray_data())
     # the workers ran in the trial's group: no group of ours was made
     assert leftovers()[1] == []
 
 
 def test_a_tuner_runs_trials_with_the_strategy(free_cluster, tmp_path):
     resources = _strategy().tune_resources()
-    assert resources.bundles == [{"CPU": 0.5}, {"CPU": 0.5}]  # the trial's own process: nothing
+    assert resources.bundles == [{"CPU": 0.25}, {"CPU": 0.25}]  # the trial's own process: nothing
     assert resources.head_bundle_is_empty
     tuner = tune.Tuner(
         tune.with_resources(_trial, resources),

@@ -44,14 +44,15 @@ def bare_dataset(values: Sequence[Any]) -> Any:
 def check_room(config: WorkerGroupConfig) -> None:
     """Before an attempt's workers start: raises when they would take every CPU of the cluster,
     which leaves Ray Data's read and map tasks none to run on (the call would wait forever);
-    warns when less than one CPU is left."""
+    warns when less than one CPU is left. An elastic run counts its fewest workers."""
     total = float(ray.cluster_resources().get("CPU", 0.0))
-    taken = config.num_workers * float(config.resources_per_worker.get("CPU", 0.0))
+    fewest = config.sizes[-1] if config.sizes else config.num_workers  # an elastic run's min
+    taken = fewest * float(config.resources_per_worker.get("CPU", 0.0))
     free = total - taken
     if free >= 1:
         return
     what = (
-        f"the {config.num_workers} workers take {taken:g} of the cluster's {total:g} CPUs, which "
+        f"the {fewest} workers take {taken:g} of the cluster's {total:g} CPUs, which "
         f"leaves {max(free, 0):g} for Ray Data's read and map tasks"
     )
     fixes = (
