@@ -69,9 +69,7 @@ def pack(
     buffers: list[pickle.PickleBuffer] = []
     pickler = _Pickler(file, buffers, shared or {}, cpu, set_aside)
     pickler.dump(obj)
-    return Packed(
-        file.getvalue(), buffers, pickler.ray_objects, tuple(pickler.set_aside)
-    )
+    return Packed(file.getvalue(), buffers, pickler.ray_objects, tuple(pickler.set_aside))
 
 
 def in_band(packed: Packed) -> Packed:

@@ -14,6 +14,10 @@ Or a DataModule: ``RayDataModule(train=train, val=val, batch_size=64)`` (each na
 has its own: ``ray_lightning_sgd.lightning.RayDataModule``; the one here is that of
 ``pytorch_lightning`` where it is installed). Needs Ray Data: ``pip install
 "ray_lightning_sgd[data]"``. See the README's "Ray Data" section.
+
+Ray Data starts a local Ray instance of its own (Ray's defaults) when a dataset is made before
+any is connected; :func:`connect` first gives the one the strategy would start or join (see the
+README's "Where Ray comes from").
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd._boundary.data_loader import DATA_EXTRA, RayDataLoader, RayDataModuleBase
+from ray_lightning_sgd._worker_group.cluster import connect
 
 if TYPE_CHECKING:
     from ray_lightning_sgd.pytorch_lightning import RayDataModule
@@ -34,4 +39,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["DATA_EXTRA", "RayDataLoader", "RayDataModule", "RayDataModuleBase"]
+__all__ = ["DATA_EXTRA", "RayDataLoader", "RayDataModule", "RayDataModuleBase", "connect"]

@@ -271,6 +271,7 @@ def test_an_attempt_that_fails_once_its_workers_started_gives_them_back(monkeypa
     error is raised; the controller never sees the attempt."""
     from ray_lightning_sgd._driver import launcher as launcher_module
     from ray_lightning_sgd._driver.run import Run
+    from ray_lightning_sgd._serialization import Packed
     from ray_lightning_sgd.pytorch_lightning import RayLauncher, RaySGDStrategy
 
     released: list[tuple[object, bool]] = []
@@ -282,7 +283,7 @@ def test_an_attempt_that_fails_once_its_workers_started_gives_them_back(monkeypa
             raise KeyboardInterrupt
 
     executor = Executor()
-    monkeypatch.setattr(launcher_module, "pack_payload", lambda payload: b"packed")
+    monkeypatch.setattr(launcher_module, "pack_payload", lambda payload: Packed(b"packed", [], []))
     monkeypatch.setattr(launcher_module.ray, "put", lambda packed: "ref")
     monkeypatch.setattr(
         launcher_module.pool, "release", lambda e, keep, graceful: released.append((e, keep))
@@ -290,7 +291,7 @@ def test_an_attempt_that_fails_once_its_workers_started_gives_them_back(monkeypa
     monkeypatch.setattr(launcher_module._scratch, "sweep", lambda: [])
     launcher = RayLauncher(RaySGDStrategy(num_workers=1))
     monkeypatch.setattr(launcher, "_start_executor", lambda: executor)
-    payload = SimpleNamespace(call_id="call-0")
+    payload = SimpleNamespace(call_id="call-0", trainer=None)
     with pytest.raises(KeyboardInterrupt):
         launcher._start_attempt(payload, Run(), None, None)  # type: ignore[arg-type]
     assert released == [(executor, False)], "workers of an attempt that never ran were kept"

@@ -159,7 +159,9 @@ def _data_state() -> tuple[list[str], int]:
         for a in state.actors().values()
         if a["State"] == "ALIVE" and a["ActorClassName"] == "SplitCoordinator"
     ]
-    found = re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True))
+    found = re.search(
+        r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True)
+    )
     return alive, int(found.group(1)) if found else -1
 
 
@@ -167,11 +169,12 @@ def _assert_nothing_of_the_calls_left(objects_before: int) -> None:
     deadline = time.monotonic() + 20  # ray.kill is asynchronous
     while True:
         coordinators, objects = _data_state()
-        if (coordinators, objects) == ([], objects_before) or time.monotonic() > deadline:
+        if (not coordinators and objects <= objects_before) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert coordinators == [], "a split's coordinator outlived its call"
-    assert objects == objects_before, "blocks of the calls stayed in the object store"
+    # other tests' objects may leave the shared store meanwhile; none of the calls' may stay
+    assert objects <= objects_before, "blocks of the calls stayed in the object store"
 
 
 def _trainer_kwargs() -> dict:
@@ -192,7 +195,9 @@ def test_each_rank_streams_an_equal_share_of_every_pass_and_predict_reads_every_
     val = ray.data.from_items(_val_rows())  # a row count Ray Data knows without running it
     model = Recorder(str(tmp_path), schedule=True)
     strategy = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)
-    trainer = pl.Trainer(strategy=strategy, max_epochs=2, num_sanity_val_steps=2, **_trainer_kwargs())
+    trainer = pl.Trainer(
+        strategy=strategy, max_epochs=2, num_sanity_val_steps=2, **_trainer_kwargs()
+    )
     # the map_batches step hides the row count from Ray Data: num_rows tells it
     trainer.fit(model, RayDataLoader(train, batch_size=32, num_rows=ROWS),
                 RayDataLoader(val, batch_size=16))  # fmt: skip
@@ -248,6 +253,9 @@ def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again
 
     assert Path(tmp_path, "died").exists()
     assert trainer.current_epoch == 3
+    # rank 0's datamodule comes back into the driver's, which keeps its own dataset (a shard
+    # in its place would send the next call a split that ended with this one)
+    assert isinstance(data.train, ray.data.Dataset)
     records = _records(tmp_path)
     # Ray Data knows no row count for read_parquet without reading it: no length, no total
     assert {r["batches"] for rank in records.values() for r in rank} == {float("inf")}
@@ -266,7 +274,9 @@ def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again
 def test_workers_that_take_every_cpu_are_refused_before_any_actor_starts(ray_cluster):
     before = leftovers()  # idle warm workers of earlier tests
     trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **_trainer_kwargs())
-    with pytest.raises(ConfigurationError, match=r"take 2 of the cluster's 2 CPUs.*num_cpus_per_worker"):
+    with pytest.raises(
+        ConfigurationError, match=r"take 2 of the cluster's 2 CPUs.*num_cpus_per_worker"
+    ):
         trainer.fit(Recorder("."), RayDataLoader(ray.data.range(8), batch_size=4))
     assert leftovers() == before
 
@@ -291,7 +301,7 @@ def test_bad_loader_arguments_are_configuration_errors(kwargs, message):
     shard = DatasetShard(iterator=None, rank=0, world_size=2, rows=None)
     with pytest.raises(ConfigurationError, match=re.escape(message)):
         RayDataLoader(shard, **kwargs)
-    with pytest.raises(ConfigurationError, match="takes a ray.data.Dataset, got list"):
+    with pytest.raises(ConfigurationError, match=r"takes a ray\.data\.Dataset, got list"):
         RayDataLoader([1, 2])
 
 

@@ -81,9 +81,7 @@ class RayDataLoader:
         prefetch_batches: int = 1,
         num_rows: int | None = None,
     ) -> None:
-        if not isinstance(dataset, DatasetShard) and not isinstance(
-            dataset, ray_data().Dataset
-        ):
+        if not isinstance(dataset, DatasetShard) and not isinstance(dataset, ray_data().Dataset):
             raise ConfigurationError(
                 f"RayDataLoader takes a ray.data.Dataset, got {type(dataset).__name__}: "
                 "make one with ray.data.read_parquet(...), ray.data.from_items(...), and so on"

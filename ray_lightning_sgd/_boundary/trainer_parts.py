@@ -3,6 +3,7 @@ that both the driver and rank 0 hold."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd import _compat
@@ -13,11 +14,16 @@ if TYPE_CHECKING:
     from pytorch_lightning.callbacks import Callback
 
 
-def shared_objects(trainer: Any, model: Any, datamodule: Any) -> dict[str, Any]:
+def shared_objects(
+    trainer: Any, model: Any, datamodule: Any, datasets: Sequence[Any] = ()
+) -> dict[str, Any]:
     """The objects that both the driver and rank 0 hold, by the name each travels under
     (:func:`~ray_lightning_sgd._serialization.pack`'s ``shared``): a reference to one of them
-    comes back as the driver's own."""
+    comes back as the driver's own. ``datasets``: the call's Ray Data datasets in the order the
+    payload set them aside (on the driver) or this rank's shards of them (on a worker)."""
     names = {"trainer": trainer, "strategy": trainer.strategy, "module:": model}
+    for index, dataset in enumerate(datasets):
+        names[f"dataset:{index}"] = dataset
     # DDP's wrapper on a worker; the model itself on the driver
     names["wrapped model"] = getattr(trainer.strategy, "model", None) or model
     if datamodule is not None:

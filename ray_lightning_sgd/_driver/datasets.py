@@ -94,5 +94,5 @@ def close(splits: Sequence[DatasetSplit]) -> None:
     for each in splits:
         try:
             ray.kill(split_coordinator(each.iterators[0]), no_restart=True)
-        except Exception:  # noqa: BLE001 - a coordinator already gone, a cluster's error
+        except Exception:
             log.warning("Could not end a dataset split's coordinator", exc_info=True)

@@ -198,7 +198,7 @@ class RayLauncherBase(_Base):
         trainer = call.trainer
         if trainer is None:
             return outputs[0].results
-        result = recover_results_in_driver(trainer, outputs, call.datamodule)
+        result = recover_results_in_driver(trainer, outputs, call.datamodule, run.datasets)
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if isinstance(environment, RayEnvironmentBase):
             environment.ran_with(len(outputs))  # an elastic run's last size
@@ -219,6 +219,7 @@ class RayLauncherBase(_Base):
         placed, over this attempt's world size."""
         packed = pack_payload(payload)
         to_split, packed = packed.set_aside, packed._replace(set_aside=())
+        run.datasets = to_split  # what rank 0's shards stand for when its results come back
         if to_split:
             datasets.check_room(self._strategy.worker_group_config)
         putter = ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put")

@@ -23,10 +23,15 @@ if TYPE_CHECKING:
 
 
 def recover_results_in_driver(
-    trainer: pl.Trainer, outputs: Sequence[WorkerOutput], datamodule: Any = None
+    trainer: pl.Trainer,
+    outputs: Sequence[WorkerOutput],
+    datamodule: Any = None,
+    datasets: Sequence[Any] = (),
 ) -> Any:
     """Driver side: leaves the Trainer, the model and the call's ``datamodule`` with what rank 0's
-    hold, as a ``ddp`` run's driver (rank 0) holds them; returns the call's result.
+    hold, as a ``ddp`` run's driver (rank 0) holds them; returns the call's result. Where rank 0
+    held its shard of a Ray Data dataset, the driver keeps its dataset (``datasets``: the
+    call's, in the order the payload set them aside).
     """
     rank_zero = outputs[0].rank_zero
     if rank_zero is None:
@@ -42,7 +47,7 @@ def recover_results_in_driver(
     loop = loop_of(trainer)
     loop.load_state_dict(rank_zero.loop_state)
     _compat.mark_loop_finished(loop)
-    restored = _restore_attributes(trainer, model, datamodule, rank_zero.attributes)
+    restored = _restore_attributes(trainer, model, datamodule, rank_zero.attributes, datasets)
     for logger, version in zip(trainer.loggers, rank_zero.logger_versions, strict=False):
         if id(logger) not in restored:
             _compat.set_logger_version(logger, version)
@@ -112,14 +117,18 @@ def _few(keys: list[str]) -> str:
 
 
 def _restore_attributes(
-    trainer: pl.Trainer, model: Any, datamodule: Any, attributes: Attributes
+    trainer: pl.Trainer,
+    model: Any,
+    datamodule: Any,
+    attributes: Attributes,
+    datasets: Sequence[Any] = (),
 ) -> set[int]:
     """Driver side: gives the driver's callbacks, loggers, model and datamodule rank 0's
     attributes, rank 0's profiler state, and after ``fit`` rank 0's optimizers and LR schedulers (see
     :class:`~ray_lightning_sgd._boundary.results.Attributes`); returns the ``id`` of each callback
     and logger restored this way. What the driver cannot rebuild (it references an object the
     driver lacks, or fails to unpickle here) is left out with a warning that names it."""
-    shared = shared_objects(trainer, model, datamodule)
+    shared = shared_objects(trainer, model, datamodule, datasets)
     left_out = list(attributes.left_out)
 
     def rebuilt(packed: Packed, what: str) -> tuple[bool, Any]:
@@ -248,7 +257,8 @@ def _merge_one(batches: list[tuple[Any, list[int] | None]]) -> list[Any]:
         return [output for output, _ in batches]
     samples: dict[int, Any] = {}
     batch_size = 0
-    for output, indices in batches:
+    for output, maybe in batches:
+        indices = maybe or []
         pieces = _split(output, len(indices)) if indices else None
         if pieces is None:
             warnings.warn(

@@ -10,6 +10,7 @@ the controller's scaling policy and the launcher read it; the strategy reads its
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
@@ -37,6 +38,8 @@ class Run:
         self._attempts: list[tuple[int, int]] = []
         #: The running attempt's workers, by rank (empty: none started yet).
         self.metadata: list[WorkerMetadata] = []
+        #: The call's Ray Data datasets, in the order the payload set them aside.
+        self.datasets: tuple[Any, ...] = ()
 
     def attempt_started(self, metadata: list[WorkerMetadata]) -> None:
         """An attempt starts on these workers, from :attr:`resume`."""

@@ -25,8 +25,8 @@ import torch
 import torch.backends.cudnn
 
 from ray_lightning_sgd import _compat
-from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.datasets import DatasetShard, DatasetSplit
+from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, Payload
 from ray_lightning_sgd._boundary.precision import (
     WorkerHardware,
@@ -98,12 +98,13 @@ def run_on_worker(
     """
     _freeze_what_imports_built(imports)
     rank = get_worker_context().rank.global_rank
+    shards = tuple(each.shard(rank) for each in splits)
     try:
-        payload: Payload = unpack(packed, replacements=[each.shard(rank) for each in splits])
+        payload: Payload = unpack(packed, replacements=shards)
     except ModuleNotFoundError as err:
         raise _cannot_import(err) from err
     del packed
-    results = pack(_run_payload(payload))
+    results = pack(_run_payload(payload, shards))
     return in_band(results) if payload.results_in_band else results
 
 
@@ -138,8 +139,9 @@ def _freeze_what_imports_built(imports: Sequence[str]) -> None:
         gc.freeze()
 
 
-def _run_payload(payload: Payload) -> WorkerOutput:
-    """Runs on each worker: the call, prepared, run and its results collected."""
+def _run_payload(payload: Payload, shards: tuple[DatasetShard, ...] = ()) -> WorkerOutput:
+    """Runs on each worker: the call, prepared, run and its results collected (``shards``, the
+    rank's shards of the call's Ray Data datasets, go back as the driver's datasets)."""
     started = time.time()  # files the call writes are newer
     get_outbox().open(payload.call_id)
     payload.global_state.restore()
@@ -150,7 +152,7 @@ def _run_payload(payload: Payload) -> WorkerOutput:
             close_channel()
     call = _prepare(payload, payload.trainer)
     results = _run_trainer_call(payload, call)
-    return _results_of(payload, call, results, started)
+    return _results_of(payload, call, results, started, shards)
 
 
 @dataclass
@@ -260,9 +262,15 @@ def _run_trainer_call(payload: Payload, call: _TrainerCall) -> Any:
             forget(payload.resume, call.resume_file)  # a killed worker's copy: see _scratch.sweep
 
 
-def _results_of(payload: Payload, call: _TrainerCall, results: Any, started: float) -> WorkerOutput:
+def _results_of(
+    payload: Payload,
+    call: _TrainerCall,
+    results: Any,
+    started: float,
+    shards: tuple[DatasetShard, ...] = (),
+) -> WorkerOutput:
     """Runs on each worker: what goes back to the driver; rank 0's with the files it wrote."""
-    collected = _collect_results(call.trainer, results, call.global_rank, call.recorder)
+    collected = _collect_results(call.trainer, results, call.global_rank, call.recorder, shards)
     if collected.rank_zero is None:
         return collected
     files = artifacts.collect(payload.artifacts, call.trainer, started)
@@ -316,7 +324,11 @@ def _callback_class(flavour: Flavour, base: type) -> type:
 
 
 def _collect_results(
-    trainer: pl.Trainer, results: Any, global_rank: int, recorder: _BatchIndexRecorderBase | None
+    trainer: pl.Trainer,
+    results: Any,
+    global_rank: int,
+    recorder: _BatchIndexRecorderBase | None,
+    shards: tuple[DatasetShard, ...] = (),
 ) -> WorkerOutput:
     """Runs on each worker. Gathers what the driver needs: everything from rank 0, and each
     rank's predictions."""
@@ -342,7 +354,7 @@ def _collect_results(
         callback_states={
             cb.state_key: to_cpu(cb.state_dict()) for cb in callbacks_of(trainer) if cb.state_dict()
         },
-        attributes=_attributes(trainer),
+        attributes=_attributes(trainer, shards),
         # rank 0 alone reads them: the committed dicts, as the properties could start a collective
         callback_metrics=to_cpu(dict(callback_metrics)),
         logged_metrics=to_cpu(dict(logged_metrics)),
@@ -355,11 +367,13 @@ def _collect_results(
     return WorkerOutput(to_cpu(results), rank_zero, predictions)
 
 
-def _attributes(trainer: pl.Trainer) -> Attributes:
-    """Runs on rank 0. Packs :class:`Attributes`; what cannot be pickled is left out and named."""
+def _attributes(trainer: pl.Trainer, shards: tuple[DatasetShard, ...] = ()) -> Attributes:
+    """Runs on rank 0. Packs :class:`Attributes`; what cannot be pickled is left out and named.
+    A shard of a Ray Data dataset goes back as the name of the driver's dataset."""
     model = trainer.lightning_module
     datamodule = getattr(trainer, "datamodule", None)
-    shared = {id(obj): name for name, obj in shared_objects(trainer, model, datamodule).items()}
+    named = shared_objects(trainer, model, datamodule, shards)
+    shared = {id(obj): name for name, obj in named.items()}
     left_out: list[str] = []
 
     def item(value: Any, what: str) -> Packed | None:
