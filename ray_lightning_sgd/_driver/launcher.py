@@ -28,8 +28,8 @@ import ray
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat, _scratch
-from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.datasets import DatasetSplit
+from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, GlobalState, Payload
 from ray_lightning_sgd._boundary.results import WorkerOutput
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
@@ -239,9 +239,7 @@ class RayLauncherBase(_Base):
             if inbox is not None:
                 inbox.attach(executor.worker_group, attempt.call_id)
             predicting = payload.trainer is not None and payload.trainer.state.fn == PREDICTING
-            attempt.splits = datasets.split(
-                to_split, executor.worker_group.metadata, predicting
-            )
+            attempt.splits = datasets.split(to_split, executor.worker_group.metadata, predicting)
             imports = (self._strategy.flavour.namespace,)
             attempt.refs = executor.run_async(
                 self.worker_half, shipped.result(), imports, attempt.splits
