@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ray_lightning_sgd.pytorch_lightning import RayDataModule
+
 
 def make_data(n: int = 96, features: int = 8, seed: int = 1) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
@@ -133,20 +135,26 @@ def as_tuple(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.as_tensor(batch["x"]), torch.as_tensor(batch["y"])
 
 
-def tiny_ray_data(n: int = 96, batch_size: int = 8) -> pl.LightningDataModule:
-    """make_data as Ray Data datasets in a RayDataModule: TinyData's rows, streamed."""
-    import ray.data
+def _rows(count: int) -> list[dict]:
+    x, y = make_data(count).tensors
+    return [{"x": x[i].numpy(), "y": int(y[i])} for i in range(count)]
 
-    from ray_lightning_sgd.pytorch_lightning import RayDataModule
 
-    def rows(count: int) -> list[dict]:
-        x, y = make_data(count).tensors
-        return [{"x": x[i].numpy(), "y": int(y[i])} for i in range(count)]
+class TinyRayData(RayDataModule):
+    """make_data's rows as Ray Data datasets: TinyData, streamed. Its datasets are made from its
+    arguments, as LightningCLI builds a datamodule from flags."""
 
-    return RayDataModule(
-        train=ray.data.from_items(rows(n)), val=ray.data.from_items(rows(n // 2)),
-        batch_size=batch_size, collate_fn=as_tuple,
-    )  # fmt: skip
+    def __init__(self, n: int = 96, batch_size: int = 8) -> None:
+        import ray.data
+
+        super().__init__(
+            train=ray.data.from_items(_rows(n)), val=ray.data.from_items(_rows(n // 2)),
+            batch_size=batch_size, collate_fn=as_tuple,
+        )  # fmt: skip
+
+
+def tiny_ray_data(n: int = 96, batch_size: int = 8) -> TinyRayData:
+    return TinyRayData(n, batch_size)
 
 
 class EpochEndCollectives(pl.LightningModule):

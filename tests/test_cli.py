@@ -14,7 +14,7 @@ from pytorch_lightning.cli import LightningCLI
 
 import ray_lightning_sgd
 from ray_lightning_sgd import RaySGDStrategy
-from tests.helpers import TinyData, TinyModel
+from tests.helpers import TinyData, TinyModel, TinyRayData
 
 QUIET = [
     "--trainer.logger=false",
@@ -24,11 +24,11 @@ QUIET = [
 ]
 
 
-def _cli(args: list[str], run: bool = True) -> LightningCLI:
+def _cli(args: list[str], run: bool = True, data: type = TinyData) -> LightningCLI:
     """A CLI for the tiny model; with run=False it only parses (and takes no subcommand)."""
     return LightningCLI(
         TinyModel,
-        TinyData,
+        data,
         args=args,
         run=run,
         save_config_callback=None,
@@ -46,15 +46,20 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_flags_train_with_the_strategy(ray_cluster):
+    # the datamodule streams Ray Data datasets it makes from its flags (half a CPU a worker
+    # leaves Ray Data the cluster's other CPU)
     cli = _cli(
         [
             "fit",
             "--trainer.strategy=ray_lightning_sgd.RaySGDStrategy",
             "--trainer.strategy.num_workers=2",
+            "--trainer.strategy.num_cpus_per_worker=0.5",
             "--trainer.strategy.reuse_workers=false",
             "--trainer.max_epochs=1",
+            "--data.batch_size=8",
             *QUIET,
-        ]
+        ],
+        data=TinyRayData,
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, RaySGDStrategy)
@@ -113,7 +118,7 @@ def test_cli_help_lists_the_typed_arguments():
     # --help exits; a subprocess keeps jsonargparse's output and exit apart from this process
     code = (
         "from pytorch_lightning.cli import LightningCLI\n"
-        "from tests.helpers import TinyData, TinyModel\n"
+        "from tests.helpers import TinyData, TinyModel, TinyRayData\n"
         "LightningCLI(TinyModel, TinyData, args=['fit', '--trainer.strategy.help', "
         "'ray_lightning_sgd.RaySGDStrategy'])\n"
     )
