@@ -335,3 +335,20 @@ def test_datasets_are_set_aside_from_the_payload_and_replaced_on_the_other_side(
     packed = pack({"a": big, "b": [big, other]}, set_aside=(Big,))
     assert packed.set_aside == (big, other)
     assert unpack(packed, replacements=["A", "B"]) == {"a": "A", "b": ["A", "B"]}
+
+
+def test_a_seeded_local_shuffle_deals_the_same_order_for_the_same_seed_and_pass(ray_cluster):
+    # from_items: blocks already in the object store, no read task (warm workers of earlier
+    # tests may hold the cluster's CPUs); the loader iterates the whole dataset on the driver
+    data = ray.data.from_items([{"id": i} for i in range(64)])
+
+    def two_passes() -> list[list[int]]:
+        loader = RayDataLoader(
+            data, batch_size=8, local_shuffle_buffer_size=64, local_shuffle_seed=3
+        )
+        return [torch.cat([batch["id"] for batch in loader]).tolist() for _ in range(2)]
+
+    first = two_passes()
+    assert two_passes() == first  # the same seed: the same order, pass by pass
+    assert sorted(first[0]) == list(range(64)) and first[0] != list(range(64))
+    assert first[1] != first[0]  # the next pass: the next seed
