@@ -18,6 +18,8 @@ type and message, and a note that names the rank and carries the worker's traceb
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RaySGDError(Exception):
     """Base class of the errors raised by ray_lightning_sgd."""
@@ -63,7 +65,13 @@ class WorkerDiedError(WorkerGroupError):
 
 
 class WorkerTimeoutError(WorkerGroupError, TimeoutError):
-    """Workers did not finish a call within its deadline."""
+    """Workers did not finish a call within its deadline (or made no progress within
+    ``progress_timeout_s``: then ``stacks`` holds every rank's stack at that moment, as
+    ``RaySGDStrategy.worker_stacks()`` gives them, and the message shows them)."""
+
+    def __init__(self, message: str, stacks: list[Any] | None = None) -> None:
+        super().__init__(message)
+        self.stacks: list[Any] = list(stacks or [])
 
 
 def _rebuild_worker_died(

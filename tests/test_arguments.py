@@ -45,6 +45,7 @@ BAD_ARGUMENTS: list[tuple[str, object]] = [
     *[("max_failures", v) for v in (-2, 1.5, "1", True, None, NAN)],
     *[("max_preemptions", v) for v in (-2, 1.0, "x", False)],
     *[("progress_timeout_s", v) for v in (0, -5, NAN, INF, 1e15, "10", True)],
+    *[("hang_report_after_s", v) for v in (0, -5, NAN, INF, 1e15, "10", True)],
     *[("checkpoint_every_n_epochs", v) for v in (0, -1, 1.5, True, "1", None)],
     *[("checkpoint_storage", v) for v in ("", "   ", 1, b"/tmp", ["x"], "s4://b/x", "a\0b")],
     *[("run_name", v) for v in ("", ".hidden", "a/b", 1, "x" * 200, "a b")],

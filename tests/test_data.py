@@ -188,11 +188,13 @@ def _trainer_kwargs() -> dict:
 
 
 def test_each_rank_streams_an_equal_share_of_every_pass_and_predict_reads_every_row(
-    ray_cluster, parquet, tmp_path
+    free_cluster, parquet, tmp_path
 ):
-    _, objects_before = _data_state()
+    # free_cluster: no idle warm workers of earlier tests hold the CPUs that Ray Data's tasks
+    # need (Ray 2.52's read_parquet samples the files with tasks as the dataset is made)
     train = ray.data.read_parquet(parquet).map_batches(_preprocess)
     val = ray.data.from_items(_val_rows())  # a row count Ray Data knows without running it
+    _, objects_before = _data_state()  # from_items put the validation rows there
     model = Recorder(str(tmp_path), schedule=True)
     strategy = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)
     trainer = pl.Trainer(
@@ -235,17 +237,16 @@ def test_each_rank_streams_an_equal_share_of_every_pass_and_predict_reads_every_
     predictions = trainer.predict(model, RayDataLoader(train, batch_size=64))
     ids = torch.cat([p["id"] for p in predictions]).tolist()
     assert sorted(ids) == list(range(ROWS))
-    del train, val  # from_items put the validation rows into the object store: the test's
     gc.collect()
     _assert_nothing_of_the_calls_left(objects_before)
     assert leftovers()[0], "the warm workers stay for the next call, as with a DataLoader"
 
 
 def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again(
-    ray_cluster, parquet, tmp_path
+    free_cluster, parquet, tmp_path
 ):
-    _, objects_before = _data_state()
     data = LRayDataModule(train=ray.data.read_parquet(parquet), batch_size=32)
+    _, objects_before = _data_state()
     model = LRecorder(str(tmp_path), die_at=(1, 1, 3))
     strategy = LRaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5, max_failures=1)
     trainer = L.Trainer(strategy=strategy, max_epochs=3, **_trainer_kwargs())

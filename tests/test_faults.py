@@ -111,13 +111,24 @@ def test_a_killed_actor_fails_the_fit_within_10_seconds(ray_cluster, tmp_path):
     assert leftovers() == ([], [])
 
 
-def test_a_stalled_rank_is_reported_by_the_progress_timeout(ray_cluster):
-    strategy = RaySGDStrategy(num_workers=2, progress_timeout_s=4)
+def test_a_stalled_rank_is_reported_by_the_progress_timeout(ray_cluster, caplog):
+    strategy = RaySGDStrategy(num_workers=2, progress_timeout_s=4, hang_report_after_s=2)
     started = time.monotonic()
-    with pytest.raises(WorkerTimeoutError, match=r"rank 1 \(node [0-9a-f]+.*silent for") as caught:
+    with (
+        caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"),
+        pytest.raises(WorkerTimeoutError, match=r"rank 1 \(node [0-9a-f]+.*silent for") as caught,
+    ):
         _fit(Faulty(rank=1, step=2, how="stall"), strategy)
     assert time.monotonic() - started < 40
     assert "progress_timeout_s=4" in str(caught.value)
+    # the hang report came first, once; the error carries every rank's stack
+    assert caplog.text.count("No rank has made progress for") == 1, caplog.text
+    stalled, waiting = caught.value.stacks[1], caught.value.stacks[0]
+    assert stalled.stack.hook == "training_step" and stalled.stack.collective is None
+    assert stalled.stack.user_frame.endswith("in training_step")  # Faulty's, in this file
+    assert __file__ in stalled.stack.user_frame
+    assert waiting.stack.collective is not None, str(waiting)  # rank 0 waits for rank 1
+    assert "ranks in no collective: 1 (the others wait for these" in str(caught.value)
     assert leftovers() == ([], [])
 
 

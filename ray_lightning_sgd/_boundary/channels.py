@@ -23,8 +23,26 @@ OUTPUT = "output"
 #: The outbox channel of a rank's progress: (stage, step).
 PROGRESS = "progress"
 
+#: The outbox channel of a rank's step times: (training steps timed, the median seconds waiting
+#: for a batch, the median seconds of a step's own work until its backward) over its latest
+#: :data:`TIMED_STEPS` steps.
+TIMINGS = "timings"
+
+#: How many of its latest steps a rank's :data:`TIMINGS` take the median of.
+TIMED_STEPS = 20
+
 #: The outbox channel of the run's latest resume point.
 RESUME = "resume"
 
 
-__all__ = ["CALL", "EVENTS", "OUTPUT", "PROGRESS", "RESUME", "SIGTERM_NOTICE", "Event"]
+__all__ = [
+    "CALL",
+    "EVENTS",
+    "OUTPUT",
+    "PROGRESS",
+    "RESUME",
+    "SIGTERM_NOTICE",
+    "TIMED_STEPS",
+    "TIMINGS",
+    "Event",
+]

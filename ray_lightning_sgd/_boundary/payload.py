@@ -41,7 +41,7 @@ class Payload(NamedTuple):
     resume: ResumePoint | None = None
     #: Whether rank 0 sends its callback events to the driver.
     forward_events: bool = False
-    #: Whether each rank notes its progress, for the driver's progress timeout.
+    #: Whether each rank notes its progress, for the driver's progress timeout and hang report.
     report_progress: bool = False
     #: Epochs between resume checkpoints of a ``fit``; 0: none (no restarts).
     resume_every_n_epochs: int = 0

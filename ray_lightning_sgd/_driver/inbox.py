@@ -12,20 +12,36 @@ as any rank's silence. The answers give
   the driver's callbacks by a :class:`~ray_lightning_sgd._driver.replay.DriverReplay`;
 - the latest resume checkpoint (its bytes in the driver's memory, or its URI) and SIGTERM notices,
   delivered into the launch's :class:`~ray_lightning_sgd._driver.run.Run`;
-- how long ago each rank last made progress, for ``progress_timeout_s``.
+- how long ago each rank last made progress, for ``progress_timeout_s`` and the hang report: when
+  no rank has made progress for ``hang_report_after_s`` (by default 20 times the longest wait
+  between two of a rank's progress reports so far, at least :data:`HANG_REPORT_FLOOR_S`), every
+  rank's stack is logged once (:mod:`.stacks`).
+
+Every rank's stack is also there on demand: :meth:`RunInbox.stacks` (``worker_stacks()`` of the
+strategy) and, printed to stderr, SIGUSR1 to the driver (:attr:`RunInbox.stacks_wanted`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import ray
 
-from ray_lightning_sgd._boundary.channels import EVENTS, OUTPUT, PROGRESS, RESUME, SIGTERM_NOTICE
+from ray_lightning_sgd._boundary.channels import (
+    EVENTS,
+    OUTPUT,
+    PROGRESS,
+    RESUME,
+    SIGTERM_NOTICE,
+    TIMINGS,
+)
 from ray_lightning_sgd._driver.output import OutputPrinter
 from ray_lightning_sgd._driver.replay import DriverReplay
 from ray_lightning_sgd._driver.run import Run
+from ray_lightning_sgd._driver.stacks import RankStack, report
+from ray_lightning_sgd._driver.stragglers import StragglerWatch
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, rank_on_node
@@ -41,6 +57,13 @@ OTHER_RANKS_INTERVAL_S = 0.5
 _LAST_ANSWERS_S = 30.0
 #: How long it waits, in all, for a failed attempt's survivors (their mail is a bonus).
 _LOST_ANSWERS_S = 2.0
+#: The automatic hang report comes after this many times the longest wait between two progress
+#: reports of a rank (a step, a validation batch) in the call so far...
+HANG_REPORT_FACTOR = 20
+#: ... and never before this many seconds without progress on any rank.
+HANG_REPORT_FLOOR_S = 300.0
+#: How long the driver waits for the workers' stacks.
+STACKS_WAIT_S = 10.0
 
 
 class RunInbox:
@@ -51,13 +74,29 @@ class RunInbox:
         progress_timeout_s: Raise :class:`WorkerTimeoutError` when a rank makes no progress for
             this long; None: never.
         run: The launch's state, which receives the resume points and SIGTERM notices.
+        hang_report_after_s: Log every rank's stack once when no rank has made progress for
+            this long; None: the automatic window (see the module's docstring).
     """
 
     def __init__(
-        self, replay: DriverReplay | None, progress_timeout_s: float | None, run: Run
+        self,
+        replay: DriverReplay | None,
+        progress_timeout_s: float | None,
+        run: Run,
+        hang_report_after_s: float | None = None,
     ) -> None:
         self.replay = replay
         self.progress_timeout_s = progress_timeout_s
+        self.hang_report_after_s = hang_report_after_s
+        #: Set (by the driver's SIGUSR1 handler) to have the next pump print every stack.
+        self.stacks_wanted = False
+        # the longest wait between two progress reports of a rank, and whether the hang
+        # report was logged since the last progress
+        self._longest_wait = 0.0
+        self._hang_reported = False
+        self._reported: set[int] = set()
+        #: The running attempt's step times by rank, and its straggler.
+        self.stragglers = StragglerWatch()
         self._run = run
         self._printer = OutputPrinter()
         self._group: WorkerGroup | None = None
@@ -80,6 +119,31 @@ class RunInbox:
         self._progress_at = dict.fromkeys(range(len(group)), now)
         self._last_at = dict.fromkeys(range(len(group)), ("start", 0))
         self._acknowledged = {rank: {} for rank in range(len(group))}
+        self._reported = set()  # the ranks that reported progress in this attempt
+        self.stragglers = StragglerWatch()
+        self._hang_reported = False
+
+    def stacks(self, timeout_s: float = STACKS_WAIT_S) -> list[RankStack]:
+        """Driver side, any thread: every rank's stack of its training thread now, with its
+        node, its last progress and the hook it is in; [] when no attempt runs."""
+        group = self._group
+        if group is None:
+            return []
+        refs = {rank: group.stack_async(rank) for rank in range(len(group))}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        answered = set(ready)
+        stacks = []
+        for rank, ref in refs.items():
+            stack, missing = None, f"no answer within {timeout_s:g} s"
+            if ref in answered:
+                try:
+                    stack = ray.get(ref)
+                    missing = "" if stack is not None else "no call runs there"
+                except ray.exceptions.RayError as err:
+                    missing = f"the worker is lost ({type(err).__name__})"
+            where = _rank_on_node(self._run.metadata, rank)
+            stacks.append(RankStack(rank, where, self._last_at.get(rank), stack, missing))
+        return stacks
 
     def pump(self) -> None:
         """Driver side, while the workers run: takes the answers that arrived, asks again those
@@ -98,6 +162,9 @@ class RunInbox:
                 self._asked[rank] = self._ask(rank)
                 interval = PUMP_INTERVAL_S if rank == 0 else OTHER_RANKS_INTERVAL_S
                 self._next_ask[rank] = now + interval
+        if self.stacks_wanted:
+            self.stacks_wanted = False
+            print(report(self.stacks(), "Every rank's stack (SIGUSR1):"), file=sys.stderr)
         self._check(now)
 
     def finish(self) -> None:
@@ -106,6 +173,9 @@ class RunInbox:
         if self._group is None:
             return
         self._last_answers(timeout_s=_LAST_ANSWERS_S, run_calls=True)
+        straggler = self.stragglers.straggler()  # a call too short for a poll to see it
+        if straggler is not None:
+            log.warning("%s", straggler)
         self._group = None
 
     def abandon(self) -> None:
@@ -168,15 +238,45 @@ class RunInbox:
             log.warning("%s received SIGTERM", _rank_on_node(self._run.metadata, rank))
             # the worker ends as soon as the driver holds the notice
             self._acknowledged.setdefault(rank, {})[SIGTERM_NOTICE] = mail.sequences[SIGTERM_NOTICE]
-        if PROGRESS in mail.ages:
-            self._progress_at[rank] = time.monotonic() - mail.ages[PROGRESS]
-        if PROGRESS in mail.latest:
+        if PROGRESS in mail.latest:  # a new report since the last poll
+            # its age when the worker answered: an answer the driver takes late (it was busy)
+            # must not move the rank's progress later than it was
+            at = time.monotonic() - mail.ages[PROGRESS]
+            if rank in self._reported and at > self._progress_at[rank]:
+                self._longest_wait = max(self._longest_wait, at - self._progress_at[rank])
+            self._reported.add(rank)
+            self._progress_at[rank] = at
             self._last_at[rank] = mail.latest[PROGRESS]
+        if TIMINGS in mail.latest:
+            where = _rank_on_node(self._run.metadata, rank)
+            self.stragglers.update(rank, where, *mail.latest[TIMINGS])
         blobs = mail.items.get(EVENTS)
         if blobs and self.replay is not None:
             self.replay.replay(blobs, run_calls=run_calls)
 
+    def hang_window_s(self) -> float:
+        """After how long without progress on any rank the hang report comes."""
+        if self.hang_report_after_s is not None:
+            return self.hang_report_after_s
+        return max(HANG_REPORT_FLOOR_S, HANG_REPORT_FACTOR * self._longest_wait)
+
     def _check(self, now: float) -> None:
+        straggler = self.stragglers.straggler()
+        if straggler is not None:
+            log.warning("%s", straggler)
+        if self._progress_at:
+            still = min(now - at for at in self._progress_at.values())  # the latest progress
+            window = self.hang_window_s()
+            if still < window:
+                self._hang_reported = False
+            elif not self._hang_reported:
+                self._hang_reported = True
+                why = (
+                    f"No rank has made progress for {still:.0f} s (hang_report_after_s="
+                    f"{self.hang_report_after_s if self.hang_report_after_s is not None else 'auto'}"
+                    f": {window:.0f} s). Every rank's stack:"
+                )
+                log.warning("%s", report(self.stacks(), why))
         timeout = self.progress_timeout_s
         if timeout is None:
             return
@@ -190,10 +290,13 @@ class RunInbox:
             f"{self._last_at[rank][0]} step {self._last_at[rank][1]}"
             for rank, seconds in quiet
         )
+        stacks = self.stacks()
         raise WorkerTimeoutError(
             f"workers made no progress within progress_timeout_s={timeout}: {ranks}. A deadlock, "
             "an endless loop, or a step, validation or checkpoint longer than the timeout; raise "
-            "progress_timeout_s if the work is just slow"
+            "progress_timeout_s if the work is just slow.\n"
+            + report(stacks, "Every rank's stack at the timeout:"),
+            stacks=stacks,
         )
 
 

@@ -44,6 +44,7 @@ from ray_lightning_sgd._driver.results import recover_results_in_driver
 from ray_lightning_sgd._driver.run import Run, describe_sizes
 from ray_lightning_sgd._driver.run_config import RunConfig
 from ray_lightning_sgd._driver.scaling import GrowthPolicy, PlacementGroupProbe
+from ray_lightning_sgd._driver.stacks import RankStack
 from ray_lightning_sgd._driver.strategy_view import StrategyView
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._executor.controller import Attempts, Resize, RunController
@@ -85,6 +86,8 @@ class RayLauncherBase(_Base):
         self._attempt: _Attempt | None = None
         #: The latest launch's state (its world sizes, ...); None before the first.
         self.run: Run | None = None
+        #: The running launch's inbox (for its workers' stacks); None between launches.
+        self._inbox: RunInbox | None = None
 
     @property
     @override
@@ -120,13 +123,18 @@ class RayLauncherBase(_Base):
             try:  # from here on, every path out removes the probe
                 template = self._payload(call, run_id, storage, mirror, inbox is not None)
                 controller = self._controller(call, template, run, inbox)
-                with signals.sigterm_raises(self._strategy.flavour.sigterm_exception):
+                self._inbox = inbox
+                with (
+                    signals.sigterm_raises(self._strategy.flavour.sigterm_exception),
+                    signals.sigusr1_calls(lambda: _want_stacks(inbox)),
+                ):
                     outputs = controller.run(resume=run.resume)
             except BaseException as err:
                 if inbox is not None and inbox.replay is not None:
                     inbox.replay.fail(err)
                 raise
             finally:
+                self._inbox = None
                 _finish_artifacts(mirror)
             return self._bring_back(call, outputs, run)  # a named run's lock held till the end
 
@@ -140,7 +148,7 @@ class RayLauncherBase(_Base):
             call.trainer, call.function, call.args, call.kwargs, GlobalState.capture(),
             call_id=run_id,
             forward_events=polled and bool(_driver_callbacks(call.trainer, self._strategy)),
-            report_progress=config.progress_timeout_s is not None and polled,
+            report_progress=polled,  # for the progress timeout and the hang report
             resume_every_n_epochs=(
                 config.checkpoint_every_n_epochs
                 if config.writes_resume_checkpoints or group.elastic
@@ -202,6 +210,8 @@ class RayLauncherBase(_Base):
         environment = getattr(trainer.strategy, "cluster_environment", None)
         if isinstance(environment, RayEnvironmentBase):
             environment.ran_with(len(outputs))  # an elastic run's last size
+        if run.rank_timings:
+            log.info("Step times by rank:\n%s", "\n".join(str(t) for t in run.rank_timings))
         if call.fitting:
             run.fit_ended(trainer.current_epoch)
             if self._strategy.worker_group_config.elastic:
@@ -268,6 +278,7 @@ class RayLauncherBase(_Base):
             return None
         if inbox is not None:
             inbox.finish()  # the last output and events: the workers left them before returning
+            run.rank_timings = inbox.stragglers.summary()
         return [unpack(out) for out in results]
 
     def _stop_attempt(
@@ -302,6 +313,11 @@ class RayLauncherBase(_Base):
         log.debug("%s workers for this call", "warm" if warm else "new")
         return executor
 
+    def worker_stacks(self, timeout_s: float) -> list[RankStack]:
+        """Driver side, any thread: every rank's stack now; [] when no call runs."""
+        inbox = self._inbox
+        return [] if inbox is None else inbox.stacks(timeout_s)
+
     @override
     def kill(self, signum: int) -> None:
         """Driver side: stops every worker at once."""
@@ -313,6 +329,7 @@ class RayLauncherBase(_Base):
         state = self.__dict__.copy()
         state["_attempt"] = None  # the driver's handles stay on the driver
         state["run"] = None
+        state["_inbox"] = None
         return state
 
 
@@ -400,7 +417,14 @@ def _inbox_for(call: _Call, strategy: StrategyView, run: Run) -> RunInbox | None
     if call.trainer is None:
         return None
     replay = DriverReplay(call.trainer, _driver_callbacks(call.trainer, strategy))
-    return RunInbox(replay, strategy.run_config.progress_timeout_s, run)
+    config = strategy.run_config
+    return RunInbox(replay, config.progress_timeout_s, run, config.hang_report_after_s)
+
+
+def _want_stacks(inbox: RunInbox | None) -> None:
+    """Driver side, in the SIGUSR1 handler: the inbox's next pump prints every rank's stack."""
+    if inbox is not None:
+        inbox.stacks_wanted = True
 
 
 def _driver_code() -> code.DriverCode:

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
+from ray_lightning_sgd._driver.stragglers import RankTimings
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
 from ray_lightning_sgd.exceptions import WorkerDiedError
 
@@ -40,6 +41,9 @@ class Run:
         self.metadata: list[WorkerMetadata] = []
         #: The call's Ray Data datasets, in the order the payload set them aside.
         self.datasets: tuple[Any, ...] = ()
+        #: After a call: each rank's training step times in its last attempt (empty without
+        #: training steps).
+        self.rank_timings: list[RankTimings] = []
 
     def attempt_started(self, metadata: list[WorkerMetadata]) -> None:
         """An attempt starts on these workers, from :attr:`resume`."""

@@ -30,6 +30,10 @@ class RunConfig:
             0: never (and no checkpoint at a SIGTERM).
         progress_timeout_s: Raise ``WorkerTimeoutError`` when a rank reports no progress (a batch,
             a stage) for this long; None: never.
+        hang_report_after_s: When no rank has reported progress for this long, the driver logs
+            every rank's stack once (again after progress resumes and stops anew). None
+            (default): 20 times the longest wait between two progress reports of a rank so far
+            in the call, and at least 5 minutes: no step of a run that moves takes that long.
         checkpoint_every_n_epochs: How often the resume checkpoint is written when restarts are on.
         checkpoint_storage: Where rank 0 writes it: a local path (``~`` is expanded at launch; a
             ``pathlib.Path`` is kept as its str) or an fsspec URI that the workers can write and
@@ -45,6 +49,7 @@ class RunConfig:
     max_failures: int = 0
     max_preemptions: int = -1
     progress_timeout_s: float | None = None
+    hang_report_after_s: float | None = None
     checkpoint_every_n_epochs: int = 1
     checkpoint_storage: str | None = None
     run_name: str | None = None
@@ -72,6 +77,11 @@ class RunConfig:
         if timeout is not None and seconds_problem(timeout) is not None:
             raise ConfigurationError(
                 f"progress_timeout_s {seconds_problem(timeout)}; or None for no timeout"
+            )
+        after = self.hang_report_after_s
+        if after is not None and seconds_problem(after) is not None:
+            raise ConfigurationError(
+                f"hang_report_after_s {seconds_problem(after)}; or None for the automatic window"
             )
         if not _is_int(self.checkpoint_every_n_epochs) or self.checkpoint_every_n_epochs < 1:
             raise ConfigurationError(

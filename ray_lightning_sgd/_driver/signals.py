@@ -49,3 +49,26 @@ def sigterm_raises(exception: type[BaseException]) -> Iterator[None]:
 
 def _from_ray(handler: Callable[..., Any]) -> bool:
     return getattr(handler, "__module__", "").split(".")[0] == "ray"
+
+
+@contextlib.contextmanager
+def sigusr1_calls(action: Callable[[], None]) -> Iterator[None]:
+    """Driver side: SIGUSR1 during a launch calls ``action`` (which only sets a flag: the
+    launch's own loop prints every rank's stack); a handler the user installed runs too. Only
+    the main thread can install handlers, and only where the signal exists."""
+    number = getattr(signal, "SIGUSR1", None)
+    if number is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(number)
+
+    def handler(signum: int, frame: Any) -> None:
+        action()
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(number, handler)
+    try:
+        yield
+    finally:
+        signal.signal(number, previous)

@@ -33,6 +33,8 @@ from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver import arguments, signature
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
 from ray_lightning_sgd._driver.run_config import RunConfig
+from ray_lightning_sgd._driver.stacks import RankStack
+from ray_lightning_sgd._driver.stragglers import RankTimings
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._worker_group import cluster
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
@@ -104,7 +106,13 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             restarts resume from the latest resume checkpoint if one is written
             (``max_failures``, ``run_name`` or an elastic ``num_workers``), else start over.
         progress_timeout_s: Raise ``WorkerTimeoutError`` naming the rank when a rank makes no
-            progress (no batch, no stage) for this long: a deadlock or an endless loop.
+            progress (no batch, no stage) for this long: a deadlock or an endless loop. The
+            error carries every rank's stack (``err.stacks``).
+        hang_report_after_s: When no rank has made progress for this long, the driver logs
+            every rank's Python stack once, and which ranks wait in a collective. None
+            (default): 20 times the longest wait between two progress reports of a rank so
+            far, at least 5 minutes. ``worker_stacks()`` and SIGUSR1 to the driver give the
+            stacks at any time.
         checkpoint_every_n_epochs: Epochs between resume checkpoints.
         checkpoint_storage: Where the resume checkpoint goes (a local path or fsspec URI that
             every worker can reach; ``~`` is expanded on the driver, and ``fit`` checks there
@@ -165,6 +173,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         max_failures: int = 0,
         max_preemptions: int = -1,
         progress_timeout_s: float | None = None,
+        hang_report_after_s: float | None = None,
         checkpoint_every_n_epochs: int = 1,
         checkpoint_storage: str | None = None,
         run_name: str | None = None,
@@ -179,6 +188,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             max_failures=max_failures,
             max_preemptions=max_preemptions,
             progress_timeout_s=progress_timeout_s,
+            hang_report_after_s=hang_report_after_s,
             checkpoint_every_n_epochs=checkpoint_every_n_epochs,
             checkpoint_storage=checkpoint_storage,
             run_name=run_name,
@@ -286,6 +296,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     max_failures = _from_config("_run_config", "max_failures")
     max_preemptions = _from_config("_run_config", "max_preemptions")
     progress_timeout_s = _from_config("_run_config", "progress_timeout_s")
+    hang_report_after_s = _from_config("_run_config", "hang_report_after_s")
     checkpoint_every_n_epochs = _from_config("_run_config", "checkpoint_every_n_epochs")
     checkpoint_storage = _from_config("_run_config", "checkpoint_storage")
     run_name = _from_config("_run_config", "run_name")
@@ -303,6 +314,25 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         run's size changes between epochs); empty before any ``fit``."""
         run = self.launcher.run if isinstance(self.launcher, RayLauncherBase) else None
         return dict(run.world_sizes) if run is not None else {}
+
+    @property
+    def rank_timings(self) -> list[RankTimings]:
+        """Driver side: each rank's training steps in the latest call (its last attempt): steps
+        timed, median time of a step's own work and waiting for data, and its node; the driver
+        logs them at the call's end (logger ``ray_lightning_sgd``, INFO). Empty before any."""
+        run = self.launcher.run if isinstance(self.launcher, RayLauncherBase) else None
+        return list(run.rank_timings) if run is not None else []
+
+    def worker_stacks(self, timeout_s: float = 10.0) -> list[RankStack]:
+        """Driver side, from any thread while a call runs (a callback on the driver, a timer):
+        every rank's Python stack of its training thread now, each with its node, its last
+        progress (stage and step) and the Lightning hook it is in; ``str()`` of each is what a
+        person reads. [] when no call runs. The same report goes to stderr when the driver
+        process receives SIGUSR1 (``kill -USR1 <driver pid>``)."""
+        launcher = self.launcher
+        if not isinstance(launcher, RayLauncherBase):
+            return []
+        return launcher.worker_stacks(timeout_s)
 
     @property
     def num_cpus_per_worker(self) -> float:

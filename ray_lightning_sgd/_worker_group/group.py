@@ -234,6 +234,12 @@ class WorkerGroup:
         while the function runs."""
         return self._worker(index, "poll").actor.poll.remote(acknowledged)
 
+    def stack_async(self, index: int) -> ray.ObjectRef:
+        """Driver side: asks the worker of global rank ``index`` for the stack of the thread
+        that runs the function (a :class:`~ray_lightning_sgd._worker_group.stacks.ThreadStack`,
+        or None when none runs); answered while the function runs."""
+        return self._worker(index, "stack").actor.stack.remote()
+
     def execute_single(self, index: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Driver side: runs ``fn`` on the worker of global rank ``index`` and returns its result."""
         return self.get([self.execute_single_async(index, fn, *args, **kwargs)])[0]

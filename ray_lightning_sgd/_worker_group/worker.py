@@ -17,6 +17,7 @@ import ray
 from ray_lightning_sgd._worker_group.context import current_context
 from ray_lightning_sgd._worker_group.outbox import Mail, get_outbox
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, rank_on_node
+from ray_lightning_sgd._worker_group.stacks import ThreadStack, stack_of
 
 T = TypeVar("T")
 
@@ -73,6 +74,8 @@ class _Worker:
 
     def __init__(self) -> None:
         self._running = False
+        #: The thread that runs the driver's functions (the training thread), once one ran.
+        self._thread: int | None = None
         self._call_ended = threading.Event()
         self._call_ok = False
         # an actor is created in its process's main thread, the only one that installs handlers
@@ -131,7 +134,16 @@ class _Worker:
         ``acknowledged``: the numbers of the latest values the driver holds."""
         return get_outbox().take(acknowledged)
 
+    @ray.method(concurrency_group=POLL_GROUP)
+    def stack(self) -> ThreadStack | None:
+        """The stack of the thread that runs the driver's function, read while it runs; None
+        when no function runs."""
+        if not self._running or self._thread is None:
+            return None
+        return stack_of(self._thread)
+
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self._thread = threading.get_ident()
         self._call_ended.clear()
         self._call_ok = False
         # a call that ended abnormally (a fit killed by its thread's end, a callback that never

@@ -1,0 +1,112 @@
+"""Reading a thread's stack from another thread, what the driver makes of every rank's, and the
+straggler among the ranks' step times: pure logic on real threads and numbers, no cluster
+(tests/test_hangs.py has the real hangs and the slowed rank)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ray_lightning_sgd._boundary.channels import TIMED_STEPS
+from ray_lightning_sgd._driver.stacks import RankStack, report
+from ray_lightning_sgd._driver.stragglers import StragglerWatch
+from ray_lightning_sgd._worker_group.stacks import ThreadStack, stack_of
+
+
+def _in_a_thread(target):
+    """Starts ``target(ready, release)`` in a thread; returns the thread once it is ready."""
+    ready, release = threading.Event(), threading.Event()
+    thread = threading.Thread(target=target, args=(ready, release), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    return thread, release
+
+
+def users_own_wait(ready, release):
+    ready.set()
+    release.wait(30)
+
+
+def test_another_threads_stack_names_the_users_function_and_no_hook_or_collective():
+    thread, release = _in_a_thread(users_own_wait)
+    try:
+        stack = stack_of(thread.ident)
+    finally:
+        release.set()
+    assert stack is not None
+    assert "users_own_wait" in stack.text and "release.wait(30)" in stack.text
+    assert stack.user_frame is not None and stack.user_frame.endswith("in users_own_wait")
+    assert stack.hook is None and stack.collective is None
+    assert stack_of(-1) is None  # no such thread
+
+
+# Lightning calls every hook through functions of its trainer/call.py that take the hook's name;
+# one compiled under that file name stands for it
+_CALLS = {}
+exec(
+    compile(
+        "def _call_lightning_module_hook(trainer, hook_name, fn, *args):\n    return fn(*args)\n",
+        os.path.join("site-packages", "pytorch_lightning", "trainer", "call.py"),
+        "exec",
+    ),
+    _CALLS,
+)
+
+
+def test_the_hook_is_the_one_lightning_called_last():
+    def target(ready, release):
+        _CALLS["_call_lightning_module_hook"](None, "training_step", users_own_wait, ready, release)
+
+    thread, release = _in_a_thread(target)
+    try:
+        stack = stack_of(thread.ident)
+    finally:
+        release.set()
+    assert stack is not None and stack.hook == "training_step"
+
+
+def test_the_report_says_which_ranks_wait_in_a_collective_and_which_do_not():
+    waiting = ThreadStack("  File ...\n", "training_step", "all_gather", "model.py:3 in step")
+    elsewhere = ThreadStack("  File ...\n", "on_train_batch_end", None, "loader.py:9 in fetch")
+    stacks = [
+        RankStack(0, "rank 0 of 3 (node a)", ("training", 41), waiting),
+        RankStack(1, "rank 1 of 3 (node b)", ("training", 40), elsewhere),
+        RankStack(2, "rank 2 of 3 (node c)", None, None, "no answer within 10 s"),
+    ]
+    text = report(stacks, "No rank has made progress.")
+    assert "ranks waiting in a collective: 0" in text
+    assert "ranks in no collective: 1 (the others wait for these" in text
+    assert "ranks that gave no stack: 2" in text
+    assert "rank 0 of 3 (node a); last progress: training 41; in hook training_step; " in text
+    assert "waiting in all_gather; your code: model.py:3 in step" in text
+    assert "(no stack: no answer within 10 s)" in text
+
+
+def _watch(*ranks: tuple[int, float, float]) -> StragglerWatch:
+    watch = StragglerWatch()
+    for rank, data_s, step_s in ranks:
+        watch.update(rank, f"rank {rank} (node n{rank})", steps, data_s, step_s)
+    return watch
+
+
+steps = TIMED_STEPS
+
+
+def test_a_rank_slower_than_the_others_is_named_once_with_where_its_time_goes():
+    watch = _watch((0, 0.001, 0.010), (1, 0.001, 0.060), (2, 0.001, 0.011))
+    warning = watch.straggler()
+    assert warning is not None and warning.startswith("rank 1 (node n1) is slower")
+    assert "goes to the step itself" in warning
+    assert watch.straggler() is None  # once
+    loader = _watch((0, 0.030, 0.010), (1, 0.001, 0.010))
+    assert "goes to data loading" in str(loader.straggler())
+
+
+def test_balanced_ranks_tiny_differences_and_too_few_steps_give_no_warning():
+    assert _watch((0, 0.001, 0.010), (1, 0.001, 0.012), (2, 0.002, 0.009)).straggler() is None
+    assert _watch((0, 0.0001, 0.001), (1, 0.0001, 0.003)).straggler() is None  # 2 ms: noise
+    early = StragglerWatch()
+    early.update(0, "rank 0", TIMED_STEPS - 1, 0.001, 0.010)
+    early.update(1, "rank 1", TIMED_STEPS - 1, 0.001, 0.100)
+    assert early.straggler() is None  # not every rank timed its window yet
+    assert [t.rank for t in _watch((1, 0, 0), (0, 0, 0)).summary()] == [0, 1]
