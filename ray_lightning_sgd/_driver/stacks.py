@@ -58,10 +58,10 @@ def report(stacks: list[RankStack], why: str) -> str:
     lines = [why]
     if waiting:
         lines.append(f"ranks waiting in a collective: {_ranks(waiting)}")
-        kinds = {s.stack.collective: [] for s in stacks if s.stack and s.stack.collective}
+        kinds: dict[str, list[int]] = {}
         for each in stacks:
             if each.stack is not None and each.stack.collective is not None:
-                kinds[each.stack.collective].append(each.rank)
+                kinds.setdefault(each.stack.collective, []).append(each.rank)
         if len(kinds) > 1:
             lines.append(
                 "the ranks wait in different collectives ("
