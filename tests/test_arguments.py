@@ -55,6 +55,7 @@ BAD_ARGUMENTS: list[tuple[str, object]] = [
     *[("driver_callbacks", v) for v in (Callback(), "cb", [1], [None], [Callback], 5)],
     *[("driver_callbacks", v) for v in ({"a": Callback()},)],
     *[("ship_driver_code", v) for v in (1, "yes", None)],
+    *[("debug", v) for v in (1, "yes", None)],
 ]
 
 #: (field, bad value) for every field of TorchConfig.

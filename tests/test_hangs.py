@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from ray_lightning_sgd import RaySGDStrategy, WorkerTimeoutError
+from ray_lightning_sgd._driver.arguments import distributed_debug_level
 from tests.conftest import leftovers
 from tests.helpers import TinyModel, make_data, quiet_trainer_kwargs
 
@@ -162,3 +163,36 @@ def test_a_rank_slowed_on_purpose_is_named_and_a_balanced_run_gives_no_warning(r
     balanced = fit(slow=False)  # the same workers, warm
     assert "is slower than" not in balanced, balanced
     assert "Step times by rank:" in balanced
+
+
+class ShowsItsSettings(TinyModel):
+    """Prints, on each rank, what the debug switch sets."""
+
+    def on_train_start(self):
+        level = logging.getLogger(self.trainer.strategy.flavour.namespace).level
+        detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+        print(
+            f"rank {self.global_rank}: TORCH_DISTRIBUTED_DEBUG={detail}, Lightning's level {level}"
+        )
+
+
+def test_the_debug_switch_sets_every_rank_and_keeps_each_ranks_output_in_a_file(
+    ray_cluster, tmp_path
+):
+    strategy = RaySGDStrategy(
+        num_workers=2, debug=True, worker_env={"TORCH_CPP_LOG_LEVEL": "WARNING"}
+    )
+    assert strategy.worker_env["TORCH_CPP_LOG_LEVEL"] == "WARNING"  # worker_env wins
+    trainer = pl.Trainer(
+        strategy=strategy, max_epochs=1, accelerator="cpu", default_root_dir=str(tmp_path),
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    trainer.fit(ShowsItsSettings(), DataLoader(make_data(), batch_size=8))
+    files = sorted((tmp_path / "rank_logs").glob("*/rank-*.log"))
+    assert [f.name for f in files] == ["rank-0.log", "rank-1.log"]
+    for rank, file in enumerate(files):
+        text = file.read_text()
+        assert text.startswith("=== call ") and f"rank {rank} of 2 (node" in text.splitlines()[0]
+        # every line of the rank, also those the driver prints once for all ranks
+        level = distributed_debug_level()  # DETAIL, but INFO on torch 2.15 (DETAIL crashes DDP)
+        assert f"rank {rank}: TORCH_DISTRIBUTED_DEBUG={level}, Lightning's level 10" in text

@@ -27,6 +27,10 @@ else:
     _Base = object
 
 
+#: Set on every worker by the strategy's ``debug``: the worker turns its detailed logs on.
+DEBUG_ENV = "RAY_LIGHTNING_SGD_DEBUG"
+
+
 class RayEnvironmentBase(_Base):
     """Ranks that the worker group assigned; the driver is rank 0 of ``world_size`` until then."""
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ray_lightning_sgd._backend.torch import TorchConfig
+from ray_lightning_sgd._boundary.environment import DEBUG_ENV
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd.exceptions import ConfigurationError
 
@@ -116,16 +117,25 @@ def worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, t
 _LEAST_RESOURCE = 0.0001
 
 
-def worker_env(worker_env: Any) -> Mapping[str, str]:
-    """``worker_env`` as a dict (WorkerGroupConfig checks the names and values)."""
+def worker_env(worker_env: Any, debug: bool = False, use_gpu: bool = False) -> Mapping[str, str]:
+    """``worker_env`` as a dict (WorkerGroupConfig checks the names and values), over the
+    variables ``debug`` sets on every worker (those ``worker_env`` sets win)."""
     if worker_env is None:
-        return {}
+        worker_env = {}
     if not isinstance(worker_env, Mapping):
         raise ConfigurationError(
             f"worker_env must be a dict of environment variables, such as {{'A': '1'}}, got "
             f"{worker_env!r} ({type(worker_env).__name__})"
         )
-    return dict(worker_env)
+    if not debug:
+        return dict(worker_env)
+    detail = {
+        DEBUG_ENV: "1",
+        "TORCH_DISTRIBUTED_DEBUG": distributed_debug_level(),
+        "TORCH_CPP_LOG_LEVEL": "INFO",
+        **({"NCCL_DEBUG": "INFO"} if use_gpu else {}),
+    }
+    return {**detail, **worker_env}
 
 
 def resources(
@@ -254,3 +264,14 @@ def passed_on(strategy: type, module: type | None) -> tuple[inspect.Parameter, .
             annotation = hints.get(param.name, Any)
             passed[param.name] = param.replace(kind=param.KEYWORD_ONLY, annotation=annotation)
     return tuple(passed.values())
+
+
+def distributed_debug_level() -> str:
+    """What the debug switch sets ``TORCH_DISTRIBUTED_DEBUG`` to: ``DETAIL`` (every collective
+    checked across ranks before it runs), but ``INFO`` on torch 2.15, where ``DETAIL`` makes the
+    construction of DistributedDataParallel end the process (SIGSEGV in
+    ``c10d::Logger::set_env_variables``; two plain gloo processes without Ray do the same)."""
+    import torch
+    from packaging.version import Version
+
+    return "INFO" if Version(torch.__version__).release[:2] == (2, 15) else "DETAIL"

@@ -76,6 +76,7 @@ class RunInbox:
         run: The launch's state, which receives the resume points and SIGTERM notices.
         hang_report_after_s: Log every rank's stack once when no rank has made progress for
             this long; None: the automatic window (see the module's docstring).
+        log_folder: Where each rank's output is also written, one file a rank; None: nowhere.
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class RunInbox:
         progress_timeout_s: float | None,
         run: Run,
         hang_report_after_s: float | None = None,
+        log_folder: str | None = None,
     ) -> None:
         self.replay = replay
         self.progress_timeout_s = progress_timeout_s
@@ -98,7 +100,7 @@ class RunInbox:
         #: The running attempt's step times by rank, and its straggler.
         self.stragglers = StragglerWatch()
         self._run = run
-        self._printer = OutputPrinter()
+        self._printer = OutputPrinter(log_folder)
         self._group: WorkerGroup | None = None
         self._call_id = ""
         self._asked: dict[int, ray.ObjectRef] = {}
@@ -121,6 +123,14 @@ class RunInbox:
         self._acknowledged = {rank: {} for rank in range(len(group))}
         self._reported = set()  # the ranks that reported progress in this attempt
         self.stragglers = StragglerWatch()
+        for rank, meta in enumerate(self._run.metadata):  # each file says whose output it is
+            self._printer.note(
+                rank,
+                f"=== call {call_id}: {rank_on_node(rank, meta, len(group))}; output of C++ code "
+                "(NCCL_DEBUG, TORCH_CPP_LOG_LEVEL) goes to Ray's log of this worker on its node "
+                f"(the files ending in -{meta.pid}.out and .err in the session's logs folder, "
+                "/tmp/ray/session_latest/logs by default) ===",
+            )
         self._hang_reported = False
 
     def stacks(self, timeout_s: float = STACKS_WAIT_S) -> list[RankStack]:

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -117,7 +118,7 @@ class RayLauncherBase(_Base):
             self.run = run = Run(
                 _stored_resume_point(call, self._strategy, storage) if named else None
             )
-            inbox = _inbox_for(call, self._strategy, run)
+            inbox = _inbox_for(call, self._strategy, run, run_id)
             # after the checks that may refuse the call: nothing of it is left on the driver's disk
             mirror = artifacts.prepare(trainer) if trainer is not None else None
             try:  # from here on, every path out removes the probe
@@ -411,14 +412,18 @@ def _stored_resume_point(
     return point
 
 
-def _inbox_for(call: _Call, strategy: StrategyView, run: Run) -> RunInbox | None:
+def _inbox_for(call: _Call, strategy: StrategyView, run: Run, run_id: str) -> RunInbox | None:
     """Driver side: where the workers' output, events, progress and resume points arrive; None
     for a call without a Trainer (a plain function has no callbacks to report through)."""
     if call.trainer is None:
         return None
     replay = DriverReplay(call.trainer, _driver_callbacks(call.trainer, strategy))
     config = strategy.run_config
-    return RunInbox(replay, config.progress_timeout_s, run, config.hang_report_after_s)
+    folder = None
+    if strategy.debug:  # each rank's output in a file of its own, for a post-mortem
+        folder = os.path.join(call.trainer.default_root_dir, "rank_logs", run_id)
+        log.info("Each rank's output goes to %s/rank-<R>.log too", folder)
+    return RunInbox(replay, config.progress_timeout_s, run, config.hang_report_after_s, folder)
 
 
 def _want_stacks(inbox: RunInbox | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import OrderedDict
 
@@ -11,14 +12,26 @@ _MAX_DISTINCT_LINES = 10_000
 
 class OutputPrinter:
     """Driver side: prints the workers' lines, each tagged ``[rank R]``; a line that several ranks
-    print alike (a warning every rank emits) is printed once."""
+    print alike (a warning every rank emits) is printed once. With ``folder``, every line of
+    rank R is also appended to ``<folder>/rank-<R>.log`` (the strategy's ``debug``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: str | None = None) -> None:
+        self.folder = folder
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
         # per distinct line, how often each rank printed it; the least recently printed lines
         # are forgotten first (a long run that prints per step would otherwise grow it for ever)
         self._counts: OrderedDict[tuple[str, str], dict[int, int]] = OrderedDict()
 
+    def note(self, rank: int, text: str) -> None:
+        """Adds ``text`` (a header) to rank ``rank``'s file, where there are files."""
+        if self.folder is not None:
+            with open(os.path.join(self.folder, f"rank-{rank}.log"), "a") as file:
+                file.write(text.rstrip("\n") + "\n")
+
     def write(self, rank: int, lines: list[tuple[str, str]]) -> None:
+        if self.folder is not None:
+            self.note(rank, "\n".join(line for _, line in lines))
         for stream, line in lines:
             counts = self._counts.setdefault((stream, line), {})
             self._counts.move_to_end((stream, line))

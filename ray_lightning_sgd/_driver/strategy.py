@@ -142,6 +142,11 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             of the driver's node through the driver's ``sys.path``, in its order, and reach other
             nodes as one archive through Ray's object store, unpacked once per node and content.
             With False, every node must be able to import them (installed, or a shared folder).
+        debug: Debug a hang or a crash: every worker runs with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+            (``INFO`` on torch 2.15, where ``DETAIL`` crashes DDP) and ``TORCH_CPP_LOG_LEVEL=INFO``
+            (and ``NCCL_DEBUG=INFO`` with GPUs; ``worker_env`` wins where it sets one of them), Lightning and ``torch.distributed`` log at DEBUG
+            on every rank, and the driver writes each rank's output to
+            ``<default_root_dir>/rank_logs/<call id>/rank-<R>.log`` as well.
         **strategy_kwargs: Passed to the Lightning strategy (see each subclass).
     """
 
@@ -182,6 +187,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         keep_global_batch_size: bool = False,
         driver_callbacks: list[Any] | None = None,
         ship_driver_code: bool = True,
+        debug: bool = False,
         **strategy_kwargs: Any,
     ) -> None:
         self._run_config = RunConfig(
@@ -197,6 +203,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         )
         self._driver_callbacks = arguments.check_driver_callbacks(driver_callbacks, self.flavour)
         self._reuse_workers = arguments.flag("reuse_workers", reuse_workers)
+        self._debug = arguments.flag("debug", debug)
         self._backend_config = backend_config = arguments.backend_config(backend_config)
         strategy_kwargs = arguments.check_strategy_kwargs(
             strategy_kwargs, type(self).__name__, self.lightning_strategy(), self.module_wrapper()
@@ -212,7 +219,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
                 num_cpus_per_worker, use_gpu, resources_per_worker
             ),
             placement_strategy=placement_strategy,
-            worker_env=arguments.worker_env(worker_env),
+            worker_env=arguments.worker_env(worker_env, debug, use_gpu),
             init_hook=init_hook,
             startup_timeout_s=startup_timeout_s,
             ship_driver_code=ship_driver_code,
@@ -400,6 +407,11 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     def reuse_workers(self) -> bool:
         """Whether workers stay up between calls."""
         return self._reuse_workers
+
+    @property
+    def debug(self) -> bool:
+        """Whether the workers log in detail and the driver keeps each rank's output in a file."""
+        return self._debug
 
     def shutdown_workers(self) -> None:
         """Driver side: stops the idle workers that calls with this strategy's settings kept up."""

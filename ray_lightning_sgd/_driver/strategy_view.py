@@ -39,6 +39,10 @@ class StrategyView(Protocol):
         """Whether workers stay up between calls."""
 
     @property
+    def debug(self) -> bool:
+        """Whether the workers log in detail and the driver keeps each rank's output in a file."""
+
+    @property
     def keep_global_batch_size(self) -> bool:
         """Whether an elastic run scales ``accumulate_grad_batches`` to keep the global batch."""
 

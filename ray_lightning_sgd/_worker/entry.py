@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import logging
+import os
 import socket
 import time
 import warnings
@@ -26,7 +28,7 @@ import torch.backends.cudnn
 
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._boundary.datasets import DatasetShard, DatasetSplit
-from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
+from ray_lightning_sgd._boundary.environment import DEBUG_ENV, RayEnvironmentBase
 from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, Payload
 from ray_lightning_sgd._boundary.precision import (
     WorkerHardware,
@@ -187,6 +189,9 @@ def _prepare(payload: Payload, trainer: pl.Trainer) -> _TrainerCall:
         raise TypeError(f"the Trainer's strategy has no RayEnvironment, but {environment!r}")
     flavour: Flavour = strategy.flavour  # type: ignore[attr-defined]
     global_rank = get_worker_context().rank.global_rank
+    if os.environ.get(DEBUG_ENV) == "1":  # the strategy's debug switch
+        for name in (flavour.namespace, "torch.distributed"):
+            logging.getLogger(name).setLevel(logging.DEBUG)
     use_own_hardware(strategy, environment, flavour, global_rank)
     strategy.set_world_ranks()  # type: ignore[attr-defined]
     if payload.global_batch_workers:
