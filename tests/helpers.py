@@ -226,3 +226,11 @@ class PrecisionProbe(TinyModel):
             "cuda_seed": torch.cuda.initial_seed() if on_gpu else None,
         }
         return nn.functional.cross_entropy(logits.float(), y)
+
+
+def hang_reports(log_text: str, about: str) -> int:
+    """How many of the driver's hang reports in ``log_text`` are about ``about`` (a stack's
+    line). A start slower than a test's short window is a quiet period of its own, with a
+    report of its own that says where the ranks were then."""
+    reports = log_text.split("No rank has made progress for")[1:]
+    return sum(about in report for report in reports)
