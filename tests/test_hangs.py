@@ -110,7 +110,7 @@ def test_stacks_on_demand_and_the_hang_report_name_a_rank_stuck_in_its_dataloade
     # on demand: rank 1 reads its sample in its DataLoader, outside any collective
     one, zero = asked[1], asked[0]
     assert "slow_item" in one.stack.text and one.stack.collective is None, str(one)
-    assert "SlowOnRankOne.__getitem__" in one.stack.text or "__getitem__" in one.stack.text
+    assert "in __getitem__" in one.stack.text
     assert zero.stack.collective is not None, str(zero)  # rank 0 waits for it
     assert asked[1].where.startswith("rank 1 (node ")
     # the hang report, once, and the SIGUSR1 report on stderr

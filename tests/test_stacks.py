@@ -7,9 +7,12 @@ from __future__ import annotations
 import os
 import threading
 
-from ray_lightning_sgd._boundary.channels import TIMED_STEPS
+from ray_lightning_sgd._boundary.channels import PROGRESS, TIMED_STEPS
+from ray_lightning_sgd._driver.inbox import RunInbox
+from ray_lightning_sgd._driver.run import Run
 from ray_lightning_sgd._driver.stacks import RankStack, report
 from ray_lightning_sgd._driver.stragglers import StragglerWatch
+from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.stacks import ThreadStack, stack_of
 
 
@@ -110,3 +113,15 @@ def test_balanced_ranks_tiny_differences_and_too_few_steps_give_no_warning():
     early.update(1, "rank 1", TIMED_STEPS - 1, 0.001, 0.100)
     assert early.straggler() is None  # not every rank timed its window yet
     assert [t.rank for t in _watch((1, 0, 0), (0, 0, 0)).summary()] == [0, 1]
+
+
+def test_a_poll_answer_without_new_progress_leaves_the_ranks_progress_where_it_was():
+    """Every answer carries the age of the rank's latest progress report; taken late (the driver
+    was busy), that age would move the rank's progress later than it was."""
+    inbox = RunInbox(None, None, Run())
+    inbox._progress_at, inbox._last_at = {0: 100.0}, {0: ("training", 3)}
+    inbox._deliver(0, Mail("", {}, {}, {PROGRESS: 0.5}, {}), run_calls=False)
+    assert inbox._progress_at[0] == 100.0
+    new = Mail("", {}, {PROGRESS: ("training", 4)}, {PROGRESS: 0.5}, {PROGRESS: 2})
+    inbox._deliver(0, new, run_calls=False)
+    assert inbox._progress_at[0] > 100.0 and inbox._last_at[0] == ("training", 4)

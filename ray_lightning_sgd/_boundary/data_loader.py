@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ray_lightning_sgd._boundary.datasets import DatasetShard
+from ray_lightning_sgd._worker_group.config import flag
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 #: What to install for Ray Data, named in the error raised without it.
@@ -90,7 +91,7 @@ class RayDataLoader:
         self.batch_size = _count("batch_size", batch_size, minimum=1)
         self.collate_fn = _callable("collate_fn", collate_fn)
         self.dtypes = _dtypes(dtypes)
-        self.drop_last = _flag("drop_last", drop_last)
+        self.drop_last = flag("drop_last", drop_last)
         self.local_shuffle_buffer_size = _optional_count(
             "local_shuffle_buffer_size", local_shuffle_buffer_size, minimum=1
         )
@@ -228,12 +229,6 @@ def _count(name: str, value: Any, minimum: int) -> int:
 
 def _optional_count(name: str, value: Any, minimum: int) -> int | None:
     return None if value is None else _count(name, value, minimum)
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def _callable(name: str, value: Any) -> Any:

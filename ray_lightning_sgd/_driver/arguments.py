@@ -20,6 +20,7 @@ from typing import Any
 from ray_lightning_sgd._backend.torch import TorchConfig
 from ray_lightning_sgd._boundary.environment import DEBUG_ENV
 from ray_lightning_sgd._compat.flavour import Flavour
+from ray_lightning_sgd._worker_group.config import flag
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 # Lightning strategy arguments that these strategies decide themselves, and what to use instead
@@ -30,13 +31,6 @@ OWNED_ARGS = {
     "process_group_backend": "use backend_config=TorchConfig(backend=...)",
     "timeout": "use backend_config=TorchConfig(timeout_s=...)",
 }
-
-
-def flag(name: str, value: Any) -> bool:
-    """``value`` of the argument ``name``, which must be True or False."""
-    if not isinstance(value, bool):
-        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def backend_config(config: Any) -> TorchConfig:

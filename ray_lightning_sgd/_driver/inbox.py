@@ -122,6 +122,7 @@ class RunInbox:
         self._last_at = dict.fromkeys(range(len(group)), ("start", 0))
         self._acknowledged = {rank: {} for rank in range(len(group))}
         self._reported = set()  # the ranks that reported progress in this attempt
+        self._hang_reported = False
         self.stragglers = StragglerWatch()
         for rank, meta in enumerate(self._run.metadata):  # each file says whose output it is
             self._printer.note(
@@ -131,7 +132,6 @@ class RunInbox:
                 f"(the files ending in -{meta.pid}.out and .err in the session's logs folder, "
                 "/tmp/ray/session_latest/logs by default) ===",
             )
-        self._hang_reported = False
 
     def stacks(self, timeout_s: float = STACKS_WAIT_S) -> list[RankStack]:
         """Driver side, any thread: every rank's stack of its training thread now, with its
@@ -183,9 +183,7 @@ class RunInbox:
         if self._group is None:
             return
         self._last_answers(timeout_s=_LAST_ANSWERS_S, run_calls=True)
-        straggler = self.stragglers.straggler()  # a call too short for a poll to see it
-        if straggler is not None:
-            log.warning("%s", straggler)
+        self._warn_of_straggler()  # a call too short for a poll to see it
         self._group = None
 
     def abandon(self) -> None:
@@ -270,10 +268,13 @@ class RunInbox:
             return self.hang_report_after_s
         return max(HANG_REPORT_FLOOR_S, HANG_REPORT_FACTOR * self._longest_wait)
 
-    def _check(self, now: float) -> None:
+    def _warn_of_straggler(self) -> None:
         straggler = self.stragglers.straggler()
         if straggler is not None:
             log.warning("%s", straggler)
+
+    def _check(self, now: float) -> None:
+        self._warn_of_straggler()
         if self._progress_at:
             still = min(now - at for at in self._progress_at.values())  # the latest progress
             window = self.hang_window_s()

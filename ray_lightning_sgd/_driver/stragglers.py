@@ -49,36 +49,45 @@ class StragglerWatch:
     def __init__(self) -> None:
         self.timings: dict[int, RankTimings] = {}
         self.warned = False
+        self._changed = False  # a rank reported since the last look
 
     def update(self, rank: int, where: str, steps: int, data_s: float, step_s: float) -> None:
         self.timings[rank] = RankTimings(rank, where, steps, data_s, step_s)
+        self._changed = True
 
     def straggler(self) -> str | None:
-        """What to warn of, the first time one rank is slower than the others; else None."""
+        """What to warn of, the first time one rank is slower than the others; else None.
+
+        Asked at every poll: it looks again only after a rank reported, and only at the slowest
+        rank (if any rank is that much slower than the others, the slowest is), so its work
+        grows with the ranks, not with their square."""
         ranks = self.timings
-        if self.warned or len(ranks) < 2 or any(t.steps < TIMED_STEPS for t in ranks.values()):
+        if self.warned or not self._changed:
             return None
-        for rank, mine in sorted(ranks.items()):
-            others = [t for r, t in ranks.items() if r != rank]
-            data = statistics.median(t.data_s for t in others)
-            step = statistics.median(t.step_s for t in others)
-            own, typical = mine.data_s + mine.step_s, data + step
-            if own > SLOWER * typical and own - typical >= SLOWER_BY_S:
-                self.warned = True
-                cause = (
-                    "data loading (its DataLoader, its node's disk or CPU)"
-                    if mine.data_s - data >= mine.step_s - step
-                    else "the step itself (its forward and training_step: its node's device or "
-                    "CPU, or code that runs on this rank only)"
-                )
-                return (
-                    f"{mine.where} is slower than the other ranks, and each step waits for it: "
-                    f"{1e3 * own:.1f} ms against their {1e3 * typical:.1f} ms (median) of their "
-                    f"own work a step; its extra time goes to {cause}: "
-                    f"{1e3 * mine.data_s:.1f} ms waiting for data (others {1e3 * data:.1f}), "
-                    f"{1e3 * mine.step_s:.1f} ms in the step (others {1e3 * step:.1f})"
-                )
-        return None
+        self._changed = False
+        if len(ranks) < 2 or any(t.steps < TIMED_STEPS for t in ranks.values()):
+            return None
+        mine = max(ranks.values(), key=lambda t: (t.data_s + t.step_s, -t.rank))
+        others = [t for t in ranks.values() if t.rank != mine.rank]
+        data = statistics.median(t.data_s for t in others)
+        step = statistics.median(t.step_s for t in others)
+        own, typical = mine.data_s + mine.step_s, data + step
+        if own <= SLOWER * typical or own - typical < SLOWER_BY_S:
+            return None
+        self.warned = True
+        cause = (
+            "data loading (its DataLoader, its node's disk or CPU)"
+            if mine.data_s - data >= mine.step_s - step
+            else "the step itself (its forward and training_step: its node's device or "
+            "CPU, or code that runs on this rank only)"
+        )
+        return (
+            f"{mine.where} is slower than the other ranks, and each step waits for it: "
+            f"{1e3 * own:.1f} ms against their {1e3 * typical:.1f} ms (median) of their "
+            f"own work a step; its extra time goes to {cause}: "
+            f"{1e3 * mine.data_s:.1f} ms waiting for data (others {1e3 * data:.1f}), "
+            f"{1e3 * mine.step_s:.1f} ms in the step (others {1e3 * step:.1f})"
+        )
 
     def summary(self) -> list[RankTimings]:
         """Every rank's latest timings, by rank."""

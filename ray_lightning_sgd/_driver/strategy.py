@@ -32,12 +32,13 @@ from ray_lightning_sgd._boundary.precision import Family, PrecisionRequest, Work
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver import arguments, signature
 from ray_lightning_sgd._driver.launcher import RayLauncherBase
+from ray_lightning_sgd._driver.run import Run
 from ray_lightning_sgd._driver.run_config import RunConfig
 from ray_lightning_sgd._driver.stacks import RankStack
 from ray_lightning_sgd._driver.stragglers import RankTimings
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._worker_group import cluster
-from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
+from ray_lightning_sgd._worker_group.config import WorkerGroupConfig, flag
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
@@ -143,10 +144,10 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             nodes as one archive through Ray's object store, unpacked once per node and content.
             With False, every node must be able to import them (installed, or a shared folder).
         debug: Debug a hang or a crash: every worker runs with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
-            (``INFO`` on torch 2.15, where ``DETAIL`` crashes DDP) and ``TORCH_CPP_LOG_LEVEL=INFO``
-            (and ``NCCL_DEBUG=INFO`` with GPUs; ``worker_env`` wins where it sets one of them), Lightning and ``torch.distributed`` log at DEBUG
-            on every rank, and the driver writes each rank's output to
-            ``<default_root_dir>/rank_logs/<call id>/rank-<R>.log`` as well.
+            (``INFO`` on torch 2.15, where ``DETAIL`` crashes DDP), ``TORCH_CPP_LOG_LEVEL=INFO``
+            and, with GPUs, ``NCCL_DEBUG=INFO`` (``worker_env`` wins where it sets one of them);
+            Lightning and ``torch.distributed`` log at DEBUG on every rank, and the driver writes
+            each rank's output to ``<default_root_dir>/rank_logs/<call id>/rank-<R>.log`` too.
         **strategy_kwargs: Passed to the Lightning strategy (see each subclass).
     """
 
@@ -202,15 +203,13 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             resize_interval_s=resize_interval_s,
         )
         self._driver_callbacks = arguments.check_driver_callbacks(driver_callbacks, self.flavour)
-        self._reuse_workers = arguments.flag("reuse_workers", reuse_workers)
-        self._debug = arguments.flag("debug", debug)
+        self._reuse_workers = flag("reuse_workers", reuse_workers)
+        self._debug = flag("debug", debug)
         self._backend_config = backend_config = arguments.backend_config(backend_config)
         strategy_kwargs = arguments.check_strategy_kwargs(
             strategy_kwargs, type(self).__name__, self.lightning_strategy(), self.module_wrapper()
         )
-        self._keep_global_batch_size = arguments.flag(
-            "keep_global_batch_size", keep_global_batch_size
-        )
+        self._keep_global_batch_size = flag("keep_global_batch_size", keep_global_batch_size)
         most, sizes = arguments.worker_sizes(num_workers, keep_global_batch_size)
         self._worker_group_config = WorkerGroupConfig(
             num_workers=most,
@@ -319,7 +318,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     def world_sizes(self) -> dict[int, int]:
         """Driver side: how many workers trained each epoch of the latest ``fit`` (an elastic
         run's size changes between epochs); empty before any ``fit``."""
-        run = self.launcher.run if isinstance(self.launcher, RayLauncherBase) else None
+        run = self._last_run()
         return dict(run.world_sizes) if run is not None else {}
 
     @property
@@ -327,8 +326,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         """Driver side: each rank's training steps in the latest call (its last attempt): steps
         timed, median time of a step's own work and waiting for data, and its node; the driver
         logs them at the call's end (logger ``ray_lightning_sgd``, INFO). Empty before any."""
-        run = self.launcher.run if isinstance(self.launcher, RayLauncherBase) else None
+        run = self._last_run()
         return list(run.rank_timings) if run is not None else []
+
+    def _last_run(self) -> Run | None:
+        """Driver side: the latest launch's state; None before any."""
+        return self.launcher.run if isinstance(self.launcher, RayLauncherBase) else None
 
     def worker_stacks(self, timeout_s: float = 10.0) -> list[RankStack]:
         """Driver side, from any thread while a call runs (a callback on the driver, a timer):

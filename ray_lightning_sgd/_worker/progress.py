@@ -47,8 +47,8 @@ class ProgressReporterBase:
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         now = time.perf_counter()
-        self._started = now if self._ended is not None else None
-        if self._started is not None and self._ended is not None:
+        self._started = None if self._ended is None else now
+        if self._ended is not None:
             self._data.append(now - self._ended)
         self._backward = None
 

@@ -31,6 +31,13 @@ def seconds_problem(value: object) -> str | None:
     return None
 
 
+def flag(name: str, value: Any) -> bool:
+    """``value`` of the argument ``name``, which must be True or False."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _env_problem(worker_env: Mapping[Any, Any]) -> str | None:
     """Why ``worker_env`` cannot be set as environment variables, or None when it can."""
     for key, value in worker_env.items():
