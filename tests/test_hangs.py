@@ -38,7 +38,11 @@ def test_a_collective_on_one_rank_only_is_reported_with_every_ranks_stack(ray_cl
     # windows longer than the start (a quiet start counts too), shorter than the test
     strategy = RaySGDStrategy(num_workers=2, hang_report_after_s=4, progress_timeout_s=9)
     trainer = pl.Trainer(
-        strategy=strategy, max_epochs=1, accelerator="cpu", **quiet_trainer_kwargs()
+        strategy=strategy,
+        max_epochs=1,
+        accelerator="cpu",
+        enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
     )
     started = time.monotonic()
     with (
@@ -84,7 +88,11 @@ def test_stacks_on_demand_and_the_hang_report_name_a_rank_stuck_in_its_dataloade
 ):
     strategy = RaySGDStrategy(num_workers=2, hang_report_after_s=4)
     trainer = pl.Trainer(
-        strategy=strategy, max_epochs=1, accelerator="cpu", **quiet_trainer_kwargs()
+        strategy=strategy,
+        max_epochs=1,
+        accelerator="cpu",
+        enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
     )
     asked: list = []
 
@@ -145,7 +153,11 @@ def test_a_rank_slowed_on_purpose_is_named_and_a_balanced_run_gives_no_warning(r
         caplog.clear()
         strategies.append(strategy := RaySGDStrategy(num_workers=2))
         trainer = pl.Trainer(
-            strategy=strategy, max_epochs=1, accelerator="cpu", **quiet_trainer_kwargs()
+            strategy=strategy,
+            max_epochs=1,
+            accelerator="cpu",
+            enable_checkpointing=False,
+            **quiet_trainer_kwargs(),
         )
         # 50 steps a rank: the first is not timed, the next 20 fill each rank's window
         with caplog.at_level(logging.INFO, logger="ray_lightning_sgd"):
