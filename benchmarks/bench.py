@@ -63,7 +63,11 @@ SMALL = os.environ.get("BENCH_SMALL") == "1"
 BATCH = 128
 FEATURES = 64 if SMALL else 1024
 HIDDEN = 64 if SMALL else 1024
-STEPS_PER_RANK = 100
+#: ``--layers``: hidden layers of the MLP (2: 2.1M parameters; 3: 3.2M, whose steps take about
+#: 50 ms on 2 CPU workers here, where whatever else runs on the machine shows in the step).
+LAYERS = int(os.environ.get("BENCH_LAYERS", "2"))
+#: ``--steps``: training steps per rank.
+STEPS_PER_RANK = int(os.environ.get("BENCH_STEPS", "100"))
 WARMUP_STEPS = 5
 SHIP_WORKERS = (1, 2, 4)
 
@@ -71,7 +75,9 @@ SHIP_WORKERS = (1, 2, 4)
 class MLP(pl.LightningModule):
     """About 2.1 million parameters (9,000 with ``--small``)."""
 
-    def __init__(self, features: int = FEATURES, hidden: int = HIDDEN, layers: int = 2) -> None:
+    def __init__(
+        self, features: int = FEATURES, hidden: int = HIDDEN, layers: int = LAYERS
+    ) -> None:
         super().__init__()
         blocks: list[nn.Module] = []
         width = features
@@ -370,11 +376,17 @@ def main() -> None:
     parser.add_argument("--ship", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--gpu", action="store_true", help="run the modes on this machine's GPUs")
     parser.add_argument("--small", action="store_true", help="a 64-wide MLP: steps of a few ms")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="hidden layers (default 2)")
+    parser.add_argument("--steps", type=int, default=STEPS_PER_RANK, help="steps per rank")
     args = parser.parse_args()
     # the module's settings (and every run's) read these variables
     wanted = {"BENCH_GPU": args.gpu and not GPU, "BENCH_SMALL": args.small and not SMALL}
-    if any(wanted.values()):
-        flags = {name: "1" for name, on in wanted.items() if on}
+    flags = {name: "1" for name, on in wanted.items() if on}
+    if args.layers != LAYERS:
+        flags["BENCH_LAYERS"] = str(args.layers)
+    if args.steps != STEPS_PER_RANK:
+        flags["BENCH_STEPS"] = str(args.steps)
+    if flags:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **flags})
     if args.run:
         return run_mode(args.run, args.out)

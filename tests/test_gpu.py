@@ -191,3 +191,26 @@ def test_sharded_strategies_train_on_gpus_in_bf16(ray_cluster):
         assert set(after) == set(before), type(strategy).__name__
         assert all(t.device.type == "cpu" and type(t) is torch.Tensor for t in after.values())
         assert any(not torch.equal(before[k], after[k]) for k in before), type(strategy).__name__
+
+
+def test_fsdp_on_gpus_gives_a_model_built_on_the_meta_device_its_weights(ray_cluster, tmp_path):
+    """RayFSDPStrategy (FSDP1) under ``init_module(empty_init=True)``: the driver's model is on
+    the meta device, FSDP materialises it on the workers (``reset_parameters``), and the driver
+    ends with rank 0's trained weights on the CPU."""
+    from ray_lightning_sgd import RayFSDPStrategy
+    from tests.test_weights import MetaLlama, SaveRankZeroWeights, _tokens
+
+    trainer = pl.Trainer(
+        strategy=RayFSDPStrategy(num_workers=min(2, GPUS), use_gpu=True),
+        max_epochs=1, enable_checkpointing=False,
+        callbacks=[SaveRankZeroWeights(tmp_path / "rank0.pt")], **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    with trainer.init_module(empty_init=True):
+        model = MetaLlama(materialise=False, shard=False)
+    assert all(t.is_meta for t in model.state_dict().values())
+    trainer.fit(model, _tokens())
+    weights = model.state_dict()
+    assert not [k for k, v in weights.items() if v.is_meta]
+    rank_zero = torch.load(tmp_path / "rank0.pt")
+    assert set(weights) == set(rank_zero)
+    assert all(torch.equal(weights[k], rank_zero[k].cpu()) for k in weights)

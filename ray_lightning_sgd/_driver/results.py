@@ -96,6 +96,15 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
         key for key in state.keys() & own.keys() if own[key].shape != state[key].shape
     )
     state = {key: value for key, value in state.items() if key not in reshaped}
+    # a model built on the meta device (``init_module(empty_init=True)``, ``torch.device("meta")``)
+    # that the workers materialised: its tensors take rank 0's (owned copies: ``state`` views
+    # Ray's object store), as copying into a meta tensor does nothing
+    on_meta = {key for key in state if own[key].is_meta}
+    if on_meta:
+        model.load_state_dict(
+            {key: state[key].clone() for key in on_meta}, strict=False, assign=True
+        )
+        state = {key: value for key, value in state.items() if key not in on_meta}
     if missing or unexpected or reshaped:
         warnings.warn(
             "The weights rank 0 sent back do not fit the driver's model, so only the matching ones "
@@ -107,6 +116,21 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
             stacklevel=2,
         )
     model.load_state_dict(state, strict=False)
+    still = [name for name, tensor in _tensors(model) if tensor.is_meta]
+    if still:
+        warnings.warn(
+            f"The driver's model still has tensors on the meta device after rank 0's weights "
+            f"were loaded: {_few(still)}. They are not in the model's state dict (a buffer "
+            "registered with persistent=False), so they do not come back from the workers: "
+            "register them as persistent buffers, or materialise them on the driver after "
+            "the call (model.to_empty(device='cpu') and your own initialisation)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _tensors(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
 
 
 def _few(keys: list[str]) -> str:

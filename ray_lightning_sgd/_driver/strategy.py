@@ -148,6 +148,14 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             and, with GPUs, ``NCCL_DEBUG=INFO`` (``worker_env`` wins where it sets one of them);
             Lightning and ``torch.distributed`` log at DEBUG on every rank, and the driver writes
             each rank's output to ``<default_root_dir>/rank_logs/<call id>/rank-<R>.log`` too.
+        return_weights: Load rank 0's trained weights into the driver's model after each call,
+            as ``ddp``'s driver holds them (default; a model built on the meta device gets
+            them too). With False the weights stay in the cluster, for models the driver's
+            memory should not hold: the driver's model keeps the weights it had (or stays on
+            the meta device), ``fit`` brings back no optimizer state either, and what the call
+            saved comes back as always (``trainer.checkpoint_callback.best_model_path``, the
+            metrics, the loggers): load the trained weights from a checkpoint, or pass
+            ``ckpt_path`` to the next call.
         **strategy_kwargs: Passed to the Lightning strategy (see each subclass).
     """
 
@@ -189,6 +197,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         driver_callbacks: list[Any] | None = None,
         ship_driver_code: bool = True,
         debug: bool = False,
+        return_weights: bool = True,
         **strategy_kwargs: Any,
     ) -> None:
         self._run_config = RunConfig(
@@ -205,6 +214,7 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         self._driver_callbacks = arguments.check_driver_callbacks(driver_callbacks, self.flavour)
         self._reuse_workers = flag("reuse_workers", reuse_workers)
         self._debug = flag("debug", debug)
+        self._return_weights = flag("return_weights", return_weights)
         self._backend_config = backend_config = arguments.backend_config(backend_config)
         strategy_kwargs = arguments.check_strategy_kwargs(
             strategy_kwargs, type(self).__name__, self.lightning_strategy(), self.module_wrapper()
@@ -415,6 +425,11 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     def debug(self) -> bool:
         """Whether the workers log in detail and the driver keeps each rank's output in a file."""
         return self._debug
+
+    @property
+    def return_weights(self) -> bool:
+        """Whether the trained weights come back into the driver's model after each call."""
+        return self._return_weights
 
     def shutdown_workers(self) -> None:
         """Driver side: stops the idle workers that calls with this strategy's settings kept up."""

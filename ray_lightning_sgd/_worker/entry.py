@@ -340,7 +340,9 @@ def _collect_results(
     # every rank computes the state dict, in case metrics in the model synchronise in it (and a
     # sharded strategy gathers it: a collective); after every call, as validate/test may change
     # buffers or load a checkpoint's weights (ckpt_path)
-    model_state = trainer.strategy.full_state_dict()  # type: ignore[attr-defined]
+    # (none with return_weights=False: the weights stay in the cluster)
+    wanted = getattr(trainer.strategy, "return_weights", True)
+    model_state = trainer.strategy.full_state_dict() if wanted else None  # type: ignore[attr-defined]
     predictions = None
     if recorder is not None:
         if results is not None:
@@ -353,7 +355,7 @@ def _collect_results(
     progress_bar_metrics, callback_metrics, logged_metrics = _compat.committed_metrics(trainer)
     rank_zero = RankZeroResults(
         state=trainer.state,
-        model_state=pack(to_cpu(model_state)),
+        model_state=None if model_state is None else pack(to_cpu(model_state)),
         # tensors go back on the CPU: the driver may have no GPU to unpickle them onto
         loop_state=to_cpu(loop_of(trainer).state_dict()),
         callback_states={
@@ -397,7 +399,12 @@ def _attributes(trainer: pl.Trainer, shards: tuple[DatasetShard, ...] = ()) -> A
         for cb in callbacks_of(trainer)
     ]
     # a sharded strategy's optimizers hold shards (gathering them is a collective on every rank)
-    fitted = trainer.state.fn == FITTING and not getattr(trainer.strategy, "sharded", False)
+    # (and with return_weights=False they are as large as the model: neither comes back)
+    fitted = (
+        trainer.state.fn == FITTING
+        and not getattr(trainer.strategy, "sharded", False)
+        and getattr(trainer.strategy, "return_weights", True)
+    )
     return Attributes(
         callbacks=[(key, state) for key, state in callbacks if state is not None],
         loggers=[
