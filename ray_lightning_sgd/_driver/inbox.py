@@ -1,11 +1,15 @@
 """Driver side: what the workers of one launch send to the driver, polled from each worker.
 
 There is no process in between: while the driver waits for a call's workers, :meth:`RunInbox.pump`
-asks each worker for its outbox (:mod:`ray_lightning_sgd._worker_group.outbox`), rank 0 every
-:data:`PUMP_INTERVAL_S` and the others every :data:`OTHER_RANKS_INTERVAL_S`, without blocking: a
-worker is asked again only once its previous answer is in the driver's memory, and each poll
-acknowledges the latest values the driver holds. The driver's own time in callbacks does not count
-as any rank's silence. The answers give
+asks each worker for its outbox (:mod:`ray_lightning_sgd._worker_group.outbox`) without blocking:
+rank 0 every :data:`PUMP_INTERVAL_S` while the driver shows its events live (a progress bar, driver
+callbacks), else every :data:`OTHER_RANKS_INTERVAL_S`; the other ranks every
+:data:`OTHER_RANKS_INTERVAL_S`, or less often in a large group, where they are asked
+:data:`OTHER_RANKS_PER_S` times a second together (so the driver's polls, their bytes and its CPU
+do not grow with the number of workers; a rank that rank 0 says received SIGTERM is asked at
+once). A worker is asked again only once its previous answer is in the driver's memory, and each
+poll acknowledges the latest values the driver holds. The driver's own time in callbacks does not
+count as any rank's silence. The answers give
 
 - each rank's output lines, printed here tagged ``[rank R]``;
 - rank 0's callback events (and functions any rank sent with ``send_to_driver``), replayed into
@@ -23,6 +27,7 @@ strategy) and, printed to stderr, SIGUSR1 to the driver (:attr:`RunInbox.stacks_
 
 from __future__ import annotations
 
+import heapq
 import logging
 import sys
 import time
@@ -31,6 +36,7 @@ import ray
 
 from ray_lightning_sgd._boundary.channels import (
     EVENTS,
+    NOTICED,
     OUTPUT,
     PROGRESS,
     RESUME,
@@ -49,10 +55,18 @@ from ray_lightning_sgd.exceptions import WorkerTimeoutError
 
 log = logging.getLogger(__name__)
 
-#: How often the driver asks rank 0 for its outbox while the workers run (seconds).
+#: How often the driver looks at the answers and asks rank 0 for its outbox while the workers
+#: run and the driver shows rank 0's events live (seconds).
 PUMP_INTERVAL_S = 0.1
-#: How often the driver asks the other ranks (output lines and progress only).
+#: How often the driver asks each other rank (output lines and progress only) at most, and rank 0
+#: when nothing on the driver shows its events live.
 OTHER_RANKS_INTERVAL_S = 0.5
+#: How many polls a second the ranks other than 0 get together, at most: beyond
+#: ``1 + OTHER_RANKS_PER_S * OTHER_RANKS_INTERVAL_S`` workers each of them is asked every
+#: ``(workers - 1) / OTHER_RANKS_PER_S`` seconds (1,023 workers: about every 100 s).
+OTHER_RANKS_PER_S = 10.0
+#: How often the driver looks for ranks silent too long (seconds).
+_CHECK_EVERY_S = 0.5
 #: How long the driver waits for the workers' last answers after an attempt succeeded.
 _LAST_ANSWERS_S = 30.0
 #: How long it waits, in all, for a failed attempt's survivors (their mail is a bonus).
@@ -104,7 +118,13 @@ class RunInbox:
         self._group: WorkerGroup | None = None
         self._call_id = ""
         self._asked: dict[int, ray.ObjectRef] = {}
-        self._next_ask: dict[int, float] = {}
+        # (when, rank) of each rank's next poll, the soonest first
+        self._next_ask: list[tuple[float, int]] = []
+        self._intervals = (OTHER_RANKS_INTERVAL_S, OTHER_RANKS_INTERVAL_S)
+        # the driver's own busy time so far: the clock that ranks' silences are measured on
+        # runs without it
+        self._busy_s = 0.0
+        self._checked_at = 0.0
         # per rank: when the driver last saw it progress (monotonic), and where it was
         self._progress_at: dict[int, float] = {}
         self._last_at: dict[int, tuple[str, int]] = {}
@@ -114,10 +134,13 @@ class RunInbox:
     def attach(self, group: WorkerGroup, call_id: str) -> None:
         """Driver side: an attempt starts on ``group``; its workers open their outboxes under
         ``call_id``. Every rank's progress clock starts now."""
-        now = time.monotonic()
+        now = self._now()
         self._group, self._call_id = group, call_id
         self._asked = {}
-        self._next_ask = dict.fromkeys(range(len(group)), now)
+        self._next_ask = [(now, rank) for rank in range(len(group))]
+        live = self.replay is not None and self.replay.shows_live
+        others = max(OTHER_RANKS_INTERVAL_S, (len(group) - 1) / OTHER_RANKS_PER_S)
+        self._intervals = (PUMP_INTERVAL_S if live else OTHER_RANKS_INTERVAL_S, others)
         self._progress_at = dict.fromkeys(range(len(group)), now)
         self._last_at = dict.fromkeys(range(len(group)), ("start", 0))
         self._acknowledged = {rank: {} for rank in range(len(group))}
@@ -163,19 +186,24 @@ class RunInbox:
             return
         started = time.monotonic()
         self._take_answers(timeout_s=0.0, run_calls=True)
-        now = time.monotonic()
         # the driver's own work (callbacks, sent functions, large mail) is no rank's silence
-        busy = now - started
-        self._progress_at = {rank: at + busy for rank, at in self._progress_at.items()}
-        for rank, due in self._next_ask.items():
-            if rank not in self._asked and now >= due:
+        self._busy_s += time.monotonic() - started
+        now = self._now()
+        while self._next_ask and self._next_ask[0][0] <= now:
+            _, rank = heapq.heappop(self._next_ask)
+            if rank not in self._asked:  # else its answer is still on its way: ask later
                 self._asked[rank] = self._ask(rank)
-                interval = PUMP_INTERVAL_S if rank == 0 else OTHER_RANKS_INTERVAL_S
-                self._next_ask[rank] = now + interval
+            heapq.heappush(self._next_ask, (now + self._intervals[rank > 0], rank))
         if self.stacks_wanted:
             self.stacks_wanted = False
             print(report(self.stacks(), "Every rank's stack (SIGUSR1):"), file=sys.stderr)
-        self._check(now)
+        if now - self._checked_at >= _CHECK_EVERY_S:
+            self._checked_at = now
+            self._check(now)
+
+    def _now(self) -> float:
+        """The clock of ranks' silences: monotonic time, less the driver's own busy time."""
+        return time.monotonic() - self._busy_s
 
     def finish(self) -> None:
         """Driver side: the attempt succeeded; takes every worker's last mail (output, events,
@@ -241,6 +269,10 @@ class RunInbox:
             self._run.resume_point_arrived(mail.latest[RESUME])
             # in the driver's memory now: rank 0 trains on once the next poll says so
             self._acknowledged.setdefault(rank, {})[RESUME] = mail.sequences[RESUME]
+        if NOTICED in mail.latest:  # rank 0 says which ranks received SIGTERM: ask them now
+            for noticed in mail.latest[NOTICED]:
+                if noticed not in self._asked and self._group is not None:
+                    self._asked[noticed] = self._ask(noticed)
         if SIGTERM_NOTICE in mail.latest:
             self._run.sigterm_received(rank)
             log.warning("%s received SIGTERM", _rank_on_node(self._run.metadata, rank))
@@ -249,7 +281,7 @@ class RunInbox:
         if PROGRESS in mail.latest:  # a new report since the last poll
             # its age when the worker answered: an answer the driver takes late (it was busy)
             # must not move the rank's progress later than it was
-            at = time.monotonic() - mail.ages[PROGRESS]
+            at = self._now() - mail.ages[PROGRESS]
             if rank in self._reported and at > self._progress_at[rank]:
                 self._longest_wait = max(self._longest_wait, at - self._progress_at[rank])
             self._reported.add(rank)

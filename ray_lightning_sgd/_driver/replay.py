@@ -154,6 +154,12 @@ class DriverReplay:
         self._callbacks = list(callbacks)
         self.view = TrainerView(trainer)
 
+    @property
+    def shows_live(self) -> bool:
+        """Whether a callback on the driver shows rank 0's events as they come (the driver then
+        asks rank 0 for them more often)."""
+        return bool(self._callbacks)
+
     def replay(self, blobs: list[bytes], run_calls: bool = True) -> None:
         """Driver side: replays the events of ``blobs`` (pickled lists of events, in order), and
         runs the functions workers sent, unless ``run_calls`` is False (they belong to an attempt
