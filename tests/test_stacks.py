@@ -125,3 +125,46 @@ def test_a_poll_answer_without_new_progress_leaves_the_ranks_progress_where_it_w
     new = Mail("", {}, {PROGRESS: ("training", 4)}, {PROGRESS: 0.5}, {PROGRESS: 2})
     inbox._deliver(0, new, run_calls=False)
     assert inbox._progress_at[0] > 100.0 and inbox._last_at[0] == ("training", 4)
+
+
+def _scheduled_inbox(monkeypatch, workers: int) -> tuple[RunInbox, list[int], list[float]]:
+    """A RunInbox over ``workers`` ranks on a fake clock, whose polls are answered at once."""
+    clock, asked = [1000.0], []
+    inbox = RunInbox(None, None, Run())
+    monkeypatch.setattr(inbox, "_now", lambda: clock[0])
+    monkeypatch.setattr(inbox, "_ask", lambda rank: asked.append(rank) or f"poll {rank}")
+    monkeypatch.setattr(inbox, "_take_answers", lambda timeout_s, run_calls: inbox._asked.clear())
+    monkeypatch.setattr(inbox, "_check", lambda now: None)
+    inbox.attach(list(range(workers)), "call")  # type: ignore[arg-type]  (only its length)
+    return inbox, asked, clock
+
+
+def _pump_for(inbox: RunInbox, clock: list[float], seconds: float) -> None:
+    for _ in range(round(seconds / 0.1)):
+        inbox.pump()
+        clock[0] += 0.1
+
+
+def test_the_polls_of_the_other_ranks_are_bounded_whatever_the_number_of_workers(monkeypatch):
+    counts = {}
+    for workers in (3, 101, 1001):
+        inbox, asked, clock = _scheduled_inbox(monkeypatch, workers)
+        _pump_for(inbox, clock, 20.0)
+        others = sum(1 for rank in asked if rank > 0)
+        counts[workers] = others / 20.0
+        # rank 0 every 0.5 s: nothing on the driver shows its events live
+        assert 38 <= asked.count(0) <= 42, asked.count(0)
+    assert 3.5 <= counts[3] <= 4.5  # 2 ranks every 0.5 s
+    # 100 or 1000 other ranks: 10 polls a second together
+    assert 9 <= counts[101] <= 11 and 9 <= counts[1001] <= 11, counts
+
+
+def test_a_rank_that_rank_0_says_received_sigterm_is_asked_at_once(monkeypatch):
+    from ray_lightning_sgd._boundary.channels import NOTICED
+
+    inbox, asked, clock = _scheduled_inbox(monkeypatch, 1001)
+    _pump_for(inbox, clock, 1.0)
+    assert 57 not in asked and 300 not in asked
+    asked.clear()
+    inbox._deliver(0, Mail("call", {}, {NOTICED: [57, 300]}, {}, {NOTICED: 1}), run_calls=False)
+    assert asked == [57, 300]  # not due for about 100 s

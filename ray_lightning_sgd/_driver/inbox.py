@@ -137,10 +137,12 @@ class RunInbox:
         now = self._now()
         self._group, self._call_id = group, call_id
         self._asked = {}
-        self._next_ask = [(now, rank) for rank in range(len(group))]
         live = self.replay is not None and self.replay.shows_live
         others = max(OTHER_RANKS_INTERVAL_S, (len(group) - 1) / OTHER_RANKS_PER_S)
         self._intervals = (PUMP_INTERVAL_S if live else OTHER_RANKS_INTERVAL_S, others)
+        # the other ranks' first polls spread over one interval: never all of them at once
+        spread = others / max(1, len(group) - 1)
+        self._next_ask = [(now + max(0, rank - 1) * spread, rank) for rank in range(len(group))]
         self._progress_at = dict.fromkeys(range(len(group)), now)
         self._last_at = dict.fromkeys(range(len(group)), ("start", 0))
         self._acknowledged = {rank: {} for rank in range(len(group))}
