@@ -4,6 +4,13 @@ optimizer state), RayModelParallelStrategy with FSDP2 (each worker holds half), 
 ModelParallelStrategy on 2 CPU processes (the same FSDP2, for the step-time ratio).
 
     python benchmarks/sharded.py [--repeats 3] [--layers 12] [--width 4096]
+    python benchmarks/sharded.py --empty-init    # the model built on the meta device
+    python benchmarks/sharded.py --modes ray_fsdp2 --empty-init --no-weights-back --width 8192
+
+With ``--empty-init`` the model is built under ``trainer.init_module(empty_init=True)`` (as
+Lightning's own tensor-parallel example builds its model): its parameters are on the meta device
+until each rank materialises its shards. ``--no-weights-back``: ``return_weights=False``, the
+trained weights stay in the cluster. The driver's peak memory is reported for the Ray modes.
 
 Every run is a fresh process; runs are interleaved; medians. Figures per run, from a callback on
 every rank: the peak resident memory of the largest rank, the parameter and optimizer-state bytes
@@ -31,7 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 MODES = ("ray_sgd", "ray_fsdp2", "lightning_fsdp2")
 WORKERS = 2
 BATCH = 8
-STEPS_PER_RANK = 6
+STEPS_PER_RANK = int(os.environ.get("BENCH_STEPS", "6"))
 SETTLE_S = 3.0
 
 
@@ -102,7 +109,9 @@ class Meter(pl.Callback):
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(record))
 
 
-def run_mode(mode: str, out: str, width: int, layers: int) -> None:
+def run_mode(
+    mode: str, out: str, width: int, layers: int, empty_init: bool, weights_back: bool
+) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     data = DataLoader(TensorDataset(torch.randn(BATCH * STEPS_PER_RANK * WORKERS, width)), BATCH)
@@ -120,12 +129,13 @@ def run_mode(mode: str, out: str, width: int, layers: int) -> None:
         _compat.bind_local_ray_to_loopback()
         ray.init(address="local", num_cpus=WORKERS, include_dashboard=False, log_to_driver=False)
         strategy = (
-            RaySGDStrategy(num_workers=WORKERS)
+            RaySGDStrategy(num_workers=WORKERS, return_weights=weights_back)
             if mode == "ray_sgd"
             else RayModelParallelStrategy(
-                num_workers=WORKERS, data_parallel_size=WORKERS, tensor_parallel_size=1
+                num_workers=WORKERS, data_parallel_size=WORKERS, tensor_parallel_size=1,
+                return_weights=weights_back,
             )
-        )
+        )  # fmt: skip
     trainer = pl.Trainer(
         strategy=strategy,
         max_epochs=1,
@@ -136,20 +146,27 @@ def run_mode(mode: str, out: str, width: int, layers: int) -> None:
         logger=False,
         **kwargs,
     )
-    trainer.fit(Big(width, layers, shard=mode != "ray_sgd"), data)
+    with trainer.init_module(empty_init=empty_init):
+        model = Big(width, layers, shard=mode != "ray_sgd")
+    trainer.fit(model, data)
+    if mode != "lightning_fsdp2":  # Lightning's driver is its rank 0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        Path(f"{out}.driver").write_text(json.dumps({"maxrss_mb": peak}))
 
 
-def _one_run(mode: str, width: int, layers: int) -> dict[str, float]:
+def _one_run(mode: str, width: int, layers: int, flags: list[str]) -> dict[str, float]:
     time.sleep(SETTLE_S)
     out = tempfile.mktemp(prefix=f"bench-sharded-{mode}-")
     subprocess.run(
         [sys.executable, __file__, "--run", mode, "--out", out,
-         "--width", str(width), "--layers", str(layers)],
+         "--width", str(width), "--layers", str(layers), *flags],
         check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(WORKERS)]
+    driver = Path(f"{out}.driver")
     return {
+        "driver_peak_mb": json.loads(driver.read_text())["maxrss_mb"] if driver.exists() else 0,
         "worker_peak_mb": max(r["maxrss_mb"] for r in ranks),
         "params_mb": max(r["params_mb"] for r in ranks),
         "optimizer_mb": max(r["optimizer_mb"] for r in ranks),
@@ -165,30 +182,45 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--run", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--empty-init", action="store_true", help="build it on the meta device")
+    parser.add_argument("--no-weights-back", action="store_true", help="return_weights=False")
     args = parser.parse_args()
     if args.run:
-        return run_mode(args.run, args.out, args.width, args.layers)
+        return run_mode(
+            args.run, args.out, args.width, args.layers, args.empty_init, not args.no_weights_back
+        )
+    flags = [f for f, on in (("--empty-init", args.empty_init),
+                             ("--no-weights-back", args.no_weights_back)) if on]  # fmt: skip
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in args.modes}
     for repeat in range(args.repeats):
         for mode in args.modes:
-            runs[mode].append(_one_run(mode, args.width, args.layers))
+            runs[mode].append(_one_run(mode, args.width, args.layers, flags))
             print(f"repeat {repeat + 1}/{args.repeats} {mode}: {runs[mode][-1]}", file=sys.stderr)
     params = args.layers * (args.width * args.width + args.width)
     print(
         f"\n{params / 1e6:.0f}M parameters (fp32, {params * 4 / 2**20:.0f} MB), Adam, {WORKERS} "
-        f"workers on CPU, batch {BATCH}; medians of {args.repeats} fresh-process runs\n"
+        f"workers on CPU, batch {BATCH}, {STEPS_PER_RANK} steps per rank"
+        f"{', built on the meta device' if args.empty_init else ''}"
+        f"{', return_weights=False' if args.no_weights_back else ''}; medians of {args.repeats} "
+        "fresh-process runs\n"
     )
-    print("| mode | params MB per worker | Adam state MB per worker | worker peak MB | step s |")
-    print("|---|---|---|---|---|")
+    print(
+        "| mode | params MB per worker | Adam state MB per worker | worker peak MB | "
+        "driver peak MB | step s |"
+    )
+    print("|---|---|---|---|---|---|")
     reference = runs.get("lightning_fsdp2")
     for mode, rows in runs.items():
         median = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        driver = f"{median['driver_peak_mb']:.0f}" if median["driver_peak_mb"] else "-"
         ratio = ""
         if reference:
             ratio = f" ({median['step'] / statistics.median(r['step'] for r in reference):.2f}x)"
         print(
             f"| {mode} | {median['params_mb']:.0f} | {median['optimizer_mb']:.0f} | "
-            f"{median['worker_peak_mb']:.0f} | {median['step']:.2f}{ratio} |"
+            f"{median['worker_peak_mb']:.0f} | "
+            f"{driver} | "
+            f"{median['step']:.2f}{ratio} |"
         )
 
 

@@ -5,8 +5,10 @@
 #
 # Installs the package where it is not importable yet (or, on a machine that reaches no package
 # index, unpacks the Ray that tests/gpu/pack_ray.sh put in .whl/raysite.tar.xz), then
-# runs the GPU tests (pytest -m gpu), an NCCL check over every GPU, and the step-time benchmark
-# against Lightning's ddp on the same GPUs. Exits non-zero if any of the three failed.
+# runs the GPU tests (pytest -m gpu), an NCCL check over every GPU, the step-time benchmark
+# against Lightning's ddp on the same GPUs, and the cold start broken into its parts (Ray start,
+# actor start, CUDA init, process group, Lightning's import) against a new ddp process's. Exits
+# non-zero if any of them failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -31,4 +33,7 @@ $PY tests/gpu/nccl_check.py || status=1
 echo "=== step time against Lightning's ddp on the same GPUs"
 $PY benchmarks/bench.py --gpu --modes ddp ray_sgd_cold ray_sgd_warm --repeats 3 \
     --transfer-params 0 --ship-mb 0 || status=1
+echo "=== cold start by part, against a new ddp process"
+$PY benchmarks/cold_start.py --gpu --repeats 3 \
+    --workers "$($PY -c 'import torch; print(min(2, torch.cuda.device_count()))')" || status=1
 exit $status
