@@ -34,6 +34,27 @@ def test_ray_loopback_constant_exists():
     )
 
 
+def test_ray_reads_its_gcs_tries_when_a_driver_connects(monkeypatch):
+    import inspect
+
+    from ray._private import node
+
+    # Node reads the module constant at each connection (where the count comes from)
+    assert "ray_constants.NUM_REDIS_GET_RETRIES" in inspect.getsource(node.Node), (
+        "ray._private.node.Node no longer reads NUM_REDIS_GET_RETRIES; update "
+        "_compat.ray.few_gcs_tries"
+    )
+    for name in _compat_ray._GCS_TRIES_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    before = ray_constants.NUM_REDIS_GET_RETRIES
+    with _compat_ray.few_gcs_tries(5):
+        assert ray_constants.NUM_REDIS_GET_RETRIES == min(before, 5)
+    assert ray_constants.NUM_REDIS_GET_RETRIES == before
+    monkeypatch.setenv("RAY_NUM_REDIS_GET_RETRIES", "40")  # the user's count stays
+    with _compat_ray.few_gcs_tries(5):
+        assert ray_constants.NUM_REDIS_GET_RETRIES == before
+
+
 @pytest.mark.parametrize("namespace", NAMESPACES)
 def test_lightning_launcher_interface_exists(namespace):
     module = importlib.import_module(f"{namespace}.strategies.launchers.launcher")

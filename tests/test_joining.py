@@ -111,6 +111,7 @@ def test_a_token_cluster_says_how_to_join_and_a_stopped_one_is_skipped(no_ray):
         out = _driver(CONNECT, address)
         assert out.startswith("error"), out
         assert "RAY_AUTH_MODE=token" in out and "ray get-auth-token" in out, out
+        assert _seconds(out) < 10, out  # Ray alone tries 20 times, a second apart
         joined = _driver(
             CONNECT + "\nimport ray; print('cpus', ray.cluster_resources()['CPU'])",
             {**address, "RAY_AUTH_MODE": "token"},

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import ray._private.ray_constants as _ray_constants
@@ -20,6 +22,28 @@ def bind_local_ray_to_loopback() -> None:
     """
     os.environ[_RAY_LOOPBACK_ENV] = "0"
     _ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+#: The environment variables with which a user sets how long Ray's driver tries to reach a
+#: cluster's GCS: where one is set, :func:`few_gcs_tries` leaves Ray's count alone.
+_GCS_TRIES_ENVS = ("RAY_NUM_REDIS_GET_RETRIES", "RAY_gcs_server_port_wait_time_s")
+
+
+@contextlib.contextmanager
+def few_gcs_tries(tries: int) -> Iterator[None]:
+    """Driver side, while it joins a cluster whose port answers: Ray's driver tries to reach the
+    GCS ``NUM_REDIS_GET_RETRIES`` times (20), about a second apart, also when the GCS refuses it
+    (a token cluster and a driver without the token): 20 s before the error. Here at most
+    ``tries`` (Ray reads the module constant at each connection), unless the user set how long."""
+    if any(name in os.environ for name in _GCS_TRIES_ENVS):
+        yield
+        return
+    saved = _ray_constants.NUM_REDIS_GET_RETRIES
+    _ray_constants.NUM_REDIS_GET_RETRIES = min(saved, tries)
+    try:
+        yield
+    finally:
+        _ray_constants.NUM_REDIS_GET_RETRIES = saved
 
 
 def actor_id_of(ref: Any) -> str:

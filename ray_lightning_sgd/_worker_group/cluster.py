@@ -33,6 +33,9 @@ _EPSILON = 1e-9
 
 #: How long a cluster's address may take to accept a connection before it counts as dead.
 _PROBE_TIMEOUT_S = 3.0
+#: How many times the driver tries to reach the GCS of a cluster whose port answered (Ray: 20,
+#: a second apart; one that refuses this driver refuses it every time).
+_GCS_TRIES = 5
 
 
 def connect() -> bool:
@@ -101,7 +104,9 @@ def _join(address: str, named: str) -> bool:
     program's embedded Ray) and refused us. A refusal by a cluster the user named or started
     with ``ray start`` is an error that says what to check."""
     try:
-        ray.init(address=address, log_to_driver=True)
+        # its port answers: a GCS that refuses this driver refuses it at every try
+        with _compat.ray.few_gcs_tries(_GCS_TRIES):
+            ray.init(address=address, log_to_driver=True)
         return True
     except ConnectionError as err:
         if not named and _compat.ray.recorded_address() != address:
