@@ -131,7 +131,7 @@ def _scheduled_inbox(monkeypatch, workers: int) -> tuple[RunInbox, list[int], li
     """A RunInbox over ``workers`` ranks on a fake clock, whose polls are answered at once."""
     clock, asked = [1000.0], []
     inbox = RunInbox(None, None, Run())
-    monkeypatch.setattr(inbox, "_now", lambda: clock[0])
+    monkeypatch.setattr(inbox, "_wall", lambda: clock[0])
     monkeypatch.setattr(inbox, "_ask", lambda rank: asked.append(rank) or f"poll {rank}")
     monkeypatch.setattr(inbox, "_take_answers", lambda timeout_s, run_calls: inbox._asked.clear())
     monkeypatch.setattr(inbox, "_check", lambda now: None)
@@ -145,26 +145,36 @@ def _pump_for(inbox: RunInbox, clock: list[float], seconds: float) -> None:
         clock[0] += 0.1
 
 
-def test_the_polls_of_the_other_ranks_are_bounded_whatever_the_number_of_workers(monkeypatch):
-    counts = {}
-    for workers in (3, 101, 1001):
+def test_the_polls_of_the_other_ranks_are_bounded_and_no_rank_waits_over_2_s(monkeypatch):
+    rates = {}
+    for workers in (3, 11, 21, 101):
         inbox, asked, clock = _scheduled_inbox(monkeypatch, workers)
         _pump_for(inbox, clock, 20.0)
-        others = sum(1 for rank in asked if rank > 0)
-        counts[workers] = others / 20.0
+        rates[workers] = sum(1 for rank in asked if rank > 0) / 20.0
         # rank 0 every 0.5 s: nothing on the driver shows its events live
         assert 38 <= asked.count(0) <= 42, asked.count(0)
-    assert 3.5 <= counts[3] <= 4.5  # 2 ranks every 0.5 s
-    # 100 or 1000 other ranks: 10 polls a second together
-    assert 9 <= counts[101] <= 11 and 9 <= counts[1001] <= 11, counts
+        # every rank at least every 2 s (the last of 100 starts 2 s in): a SIGTERM'd worker
+        # waits 3 s for its notice to be held
+        assert min(asked.count(rank) for rank in range(workers)) >= 9, workers
+    assert 3.5 <= rates[3] <= 4.5  # 2 ranks every 0.5 s
+    # 10 or 20 other ranks: 10 polls a second together; 100: each every 2 s
+    assert 9 <= rates[11] <= 11 and 9 <= rates[21] <= 11, rates
+    assert 48 <= rates[101] <= 52, rates
 
 
-def test_a_rank_that_rank_0_says_received_sigterm_is_asked_at_once(monkeypatch):
-    from ray_lightning_sgd._boundary.channels import NOTICED
+def test_a_rank_that_received_sigterm_is_asked_at_once_and_again_once_its_notice_came(
+    monkeypatch,
+):
+    from ray_lightning_sgd._boundary.channels import NOTICED, SIGTERM_NOTICE
 
-    inbox, asked, clock = _scheduled_inbox(monkeypatch, 1001)
-    _pump_for(inbox, clock, 1.0)
-    assert 57 not in asked and 300 not in asked
+    inbox, asked, clock = _scheduled_inbox(monkeypatch, 101)
+    _pump_for(inbox, clock, 0.3)
+    assert 57 not in asked and 90 not in asked  # not due yet
     asked.clear()
-    inbox._deliver(0, Mail("call", {}, {NOTICED: [57, 300]}, {}, {NOTICED: 1}), run_calls=False)
-    assert asked == [57, 300]  # not due for about 100 s
+    noticed = Mail("call", {}, {NOTICED: [57, 90, 500]}, {}, {NOTICED: 1})
+    inbox._deliver(0, noticed, run_calls=False)
+    assert asked == [57, 90]  # rank 500 does not exist: no poll
+    inbox._asked.clear()  # their answers came: 57's notice
+    inbox._deliver(57, Mail("call", {}, {SIGTERM_NOTICE: 4321}, {}, {SIGTERM_NOTICE: 7}), False)
+    # asked again at once: that poll tells the worker the driver holds its notice
+    assert asked == [57, 90, 57] and inbox._acknowledged[57][SIGTERM_NOTICE] == 7

@@ -216,12 +216,32 @@ def test_with_return_weights_false_the_weights_stay_in_the_cluster(ray_cluster, 
         assert torch.equal(saved[key], value), key
 
 
-def test_the_default_still_brings_weights_back_and_the_argument_is_checked(ray_cluster):
+def test_a_ddp_model_keeps_its_weights_with_return_weights_false(ray_cluster):
     from ray_lightning_sgd.exceptions import ConfigurationError
+    from tests.helpers import TinyModel, loader
 
     assert RaySGDStrategy(num_workers=1).return_weights is True
     with pytest.raises(ConfigurationError, match=r"return_weights must be True or False, got 0"):
         RaySGDStrategy(num_workers=1, return_weights=0)  # type: ignore[arg-type]
+    pl.seed_everything(0)
+    model = TinyModel()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2, return_weights=False), max_epochs=1,
+        enable_checkpointing=False, **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    trainer.fit(model, loader())
+    assert trainer.global_step == 96 // 8 // 2 and trainer.state.finished
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert trainer.optimizers == []  # no optimizer state came back either
+    # the default brings them back
+    trainer = pl.Trainer(
+        strategy=RaySGDStrategy(num_workers=2), max_epochs=1, enable_checkpointing=False,
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    trainer.fit(model, loader())
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert len(trainer.optimizers) == 1
 
 
 def test_meta_tensors_take_the_loaded_weights_and_those_left_are_named():
@@ -243,6 +263,22 @@ def test_meta_tensors_take_the_loaded_weights_and_those_left_are_named():
     assert torch.equal(model.kept, trained.kept + 1)
     # owned copies: the loaded tensors may view Ray's object store
     assert model.layer.weight.data_ptr() != state["layer.weight"].data_ptr()
+
+    # tied weights stay one tensor, with rank 0's values
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(4, 3)
+            self.out = nn.Linear(3, 4, bias=False)
+            self.out.weight = self.embed.weight
+
+    with torch.device("meta"):
+        tied = Tied()
+    values = {k: v + 1 for k, v in Tied().state_dict().items()}
+    load_weights(tied, values)
+    assert tied.out.weight is tied.embed.weight and not tied.embed.weight.is_meta
+    assert torch.equal(tied.embed.weight, values["embed.weight"])
+    assert len(list(tied.parameters())) == 1
     # a model off the meta device loads in place, its parameters the same objects
     plain = WithBuffers()
     weight = plain.layer.weight

@@ -4,10 +4,12 @@ There is no process in between: while the driver waits for a call's workers, :me
 asks each worker for its outbox (:mod:`ray_lightning_sgd._worker_group.outbox`) without blocking:
 rank 0 every :data:`PUMP_INTERVAL_S` while the driver shows its events live (a progress bar, driver
 callbacks), else every :data:`OTHER_RANKS_INTERVAL_S`; the other ranks every
-:data:`OTHER_RANKS_INTERVAL_S`, or less often in a large group, where they are asked
-:data:`OTHER_RANKS_PER_S` times a second together (so the driver's polls, their bytes and its CPU
-do not grow with the number of workers; a rank that rank 0 says received SIGTERM is asked at
-once). A worker is asked again only once its previous answer is in the driver's memory, and each
+:data:`OTHER_RANKS_INTERVAL_S`, or less often in a larger group, where they are asked
+:data:`OTHER_RANKS_PER_S` times a second together, each at least every
+:data:`OTHER_RANKS_MAX_INTERVAL_S` (so up to 21 workers the driver's polls do not grow with the
+number of workers, and beyond they grow at a quarter of the rate of a poll every 0.5 s). A rank
+that rank 0 says received SIGTERM is asked at once, and again once its notice arrived, so that it
+hears at once that the driver holds it. A worker is asked again only once its previous answer is in the driver's memory, and each
 poll acknowledges the latest values the driver holds. The driver's own time in callbacks does not
 count as any rank's silence. The answers give
 
@@ -61,10 +63,13 @@ PUMP_INTERVAL_S = 0.1
 #: How often the driver asks each other rank (output lines and progress only) at most, and rank 0
 #: when nothing on the driver shows its events live.
 OTHER_RANKS_INTERVAL_S = 0.5
-#: How many polls a second the ranks other than 0 get together, at most: beyond
-#: ``1 + OTHER_RANKS_PER_S * OTHER_RANKS_INTERVAL_S`` workers each of them is asked every
-#: ``(workers - 1) / OTHER_RANKS_PER_S`` seconds (1,023 workers: about every 100 s).
+#: How many polls a second the ranks other than 0 get together, at most, while each is asked at
+#: least every :data:`OTHER_RANKS_MAX_INTERVAL_S`: from 6 to 21 workers each other rank is asked
+#: every ``(workers - 1) / OTHER_RANKS_PER_S`` seconds, beyond that every 2 s.
 OTHER_RANKS_PER_S = 10.0
+#: The longest wait between two polls of a rank: under the few seconds a worker that received
+#: SIGTERM waits for the driver to hold its notice (and to say so in its next poll).
+OTHER_RANKS_MAX_INTERVAL_S = 2.0
 #: How often the driver looks for ranks silent too long (seconds).
 _CHECK_EVERY_S = 0.5
 #: How long the driver waits for the workers' last answers after an attempt succeeded.
@@ -138,11 +143,17 @@ class RunInbox:
         self._group, self._call_id = group, call_id
         self._asked = {}
         live = self.replay is not None and self.replay.shows_live
-        others = max(OTHER_RANKS_INTERVAL_S, (len(group) - 1) / OTHER_RANKS_PER_S)
+        others = min(
+            OTHER_RANKS_MAX_INTERVAL_S,
+            max(OTHER_RANKS_INTERVAL_S, (len(group) - 1) / OTHER_RANKS_PER_S),
+        )
         self._intervals = (PUMP_INTERVAL_S if live else OTHER_RANKS_INTERVAL_S, others)
         # the other ranks' first polls spread over one interval: never all of them at once
         spread = others / max(1, len(group) - 1)
-        self._next_ask = [(now + max(0, rank - 1) * spread, rank) for rank in range(len(group))]
+        asked_at = self._wall()  # polls keep wall time; silences the driver's clock
+        self._next_ask = [
+            (asked_at + max(0, rank - 1) * spread, rank) for rank in range(len(group))
+        ]
         self._progress_at = dict.fromkeys(range(len(group)), now)
         self._last_at = dict.fromkeys(range(len(group)), ("start", 0))
         self._acknowledged = {rank: {} for rank in range(len(group))}
@@ -186,16 +197,18 @@ class RunInbox:
         longer than the timeout. What a function sent by a worker raises comes out here."""
         if self._group is None:
             return
-        started = time.monotonic()
+        started = self._wall()
         self._take_answers(timeout_s=0.0, run_calls=True)
         # the driver's own work (callbacks, sent functions, large mail) is no rank's silence
-        self._busy_s += time.monotonic() - started
+        wall = self._wall()
+        self._busy_s += wall - started
         now = self._now()
-        while self._next_ask and self._next_ask[0][0] <= now:
-            _, rank = heapq.heappop(self._next_ask)
+        while self._next_ask and self._next_ask[0][0] <= wall:
+            due, rank = heapq.heappop(self._next_ask)
             if rank not in self._asked:  # else its answer is still on its way: ask later
                 self._asked[rank] = self._ask(rank)
-            heapq.heappush(self._next_ask, (now + self._intervals[rank > 0], rank))
+            # each rank keeps its place in the spread, unless the driver fell behind
+            heapq.heappush(self._next_ask, (max(due + self._intervals[rank > 0], wall), rank))
         if self.stacks_wanted:
             self.stacks_wanted = False
             print(report(self.stacks(), "Every rank's stack (SIGUSR1):"), file=sys.stderr)
@@ -203,9 +216,13 @@ class RunInbox:
             self._checked_at = now
             self._check(now)
 
+    def _wall(self) -> float:
+        """The clock of the polls' schedule: monotonic time."""
+        return time.monotonic()
+
     def _now(self) -> float:
         """The clock of ranks' silences: monotonic time, less the driver's own busy time."""
-        return time.monotonic() - self._busy_s
+        return self._wall() - self._busy_s
 
     def finish(self) -> None:
         """Driver side: the attempt succeeded; takes every worker's last mail (output, events,
@@ -240,6 +257,12 @@ class RunInbox:
                 self._asked[rank] = self._ask(rank)
         self._take_answers(max(0.0, deadline - time.monotonic()), run_calls=run_calls)
 
+    def _ask_now(self, rank: int) -> None:
+        """Asks ``rank`` at once, out of its turn, unless a poll of it is on its way."""
+        group = self._group
+        if group is not None and 0 <= rank < len(group) and rank not in self._asked:
+            self._asked[rank] = self._ask(rank)
+
     def _ask(self, rank: int) -> ray.ObjectRef:
         if self._group is None:
             raise RuntimeError("RunInbox asks the workers of an attempt only")
@@ -273,13 +296,13 @@ class RunInbox:
             self._acknowledged.setdefault(rank, {})[RESUME] = mail.sequences[RESUME]
         if NOTICED in mail.latest:  # rank 0 says which ranks received SIGTERM: ask them now
             for noticed in mail.latest[NOTICED]:
-                if noticed not in self._asked and self._group is not None:
-                    self._asked[noticed] = self._ask(noticed)
+                self._ask_now(noticed)
         if SIGTERM_NOTICE in mail.latest:
             self._run.sigterm_received(rank)
             log.warning("%s received SIGTERM", _rank_on_node(self._run.metadata, rank))
-            # the worker ends as soon as the driver holds the notice
+            # the worker ends as soon as the driver holds the notice: the next poll says so
             self._acknowledged.setdefault(rank, {})[SIGTERM_NOTICE] = mail.sequences[SIGTERM_NOTICE]
+            self._ask_now(rank)
         if PROGRESS in mail.latest:  # a new report since the last poll
             # its age when the worker answered: an answer the driver takes late (it was busy)
             # must not move the rank's progress later than it was

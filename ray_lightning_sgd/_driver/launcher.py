@@ -198,7 +198,7 @@ class RayLauncherBase(_Base):
             on_restart=on_restart,
             max_preemptions=config.max_preemptions,
             scaling=growth,
-            decide_every_s=PUMP_INTERVAL_S,  # asked after each poll of rank 0
+            decide_every_s=PUMP_INTERVAL_S,  # asked between two looks at the polls' answers
         )
 
     def _bring_back(self, call: _Call, outputs: list[WorkerOutput], run: Run) -> Any:

@@ -99,11 +99,9 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
     # a model built on the meta device (``init_module(empty_init=True)``, ``torch.device("meta")``)
     # that the workers materialised: its tensors take rank 0's (owned copies: ``state`` views
     # Ray's object store), as copying into a meta tensor does nothing
-    on_meta = {key for key in state if own[key].is_meta}
+    on_meta = [key for key in state if key in own and own[key].is_meta]
     if on_meta:
-        model.load_state_dict(
-            {key: state[key].clone() for key in on_meta}, strict=False, assign=True
-        )
+        _assign(model, {key: state[key] for key in on_meta})
         state = {key: value for key, value in state.items() if key not in on_meta}
     if missing or unexpected or reshaped:
         warnings.warn(
@@ -116,7 +114,8 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
             stacklevel=2,
         )
     model.load_state_dict(state, strict=False)
-    still = [name for name, tensor in _tensors(model) if tensor.is_meta]
+    named = set(missing) | set(reshaped)  # named in the warning above already
+    still = [name for name, tensor in _tensors(model) if tensor.is_meta and name not in named]
     if still:
         warnings.warn(
             f"The driver's model still has tensors on the meta device after rank 0's weights "
@@ -131,6 +130,34 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _assign(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    """Driver side: gives the model's meta tensors named in ``state`` new tensors, copies of
+    ``state``'s; names of one tensor (tied weights: an embedding shared with the output layer)
+    get one new tensor, the same object under each name, as they had one before."""
+    held = model.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}
+    for key in state:
+        aliases.setdefault(id(held[key]), []).append(key)
+    firsts = [keys[0] for keys in aliases.values()]
+    model.load_state_dict({key: state[key].clone() for key in firsts}, strict=False, assign=True)
+    for first, *others in aliases.values():
+        tensor = _slot(model, first)
+        for key in others:
+            owner, name = _owner(model, key)
+            table = owner._parameters if name in owner._parameters else owner._buffers
+            table[name] = tensor
+
+
+def _owner(model: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str]:
+    path, _, name = key.rpartition(".")
+    return (model.get_submodule(path) if path else model), name
+
+
+def _slot(model: torch.nn.Module, key: str) -> Any:
+    owner, name = _owner(model, key)
+    return owner._parameters[name] if name in owner._parameters else owner._buffers[name]
 
 
 def _few(keys: list[str]) -> str:

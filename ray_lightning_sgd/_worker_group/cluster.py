@@ -128,7 +128,9 @@ def _join(address: str, named: str) -> bool:
             "(`ray get-auth-token` on its head node prints it)"
         )
         raise ClusterConnectionError(
-            f"could not join {origin} at {address}, which answers on its port: {err}; {hint}"
+            f"could not join {origin} at {address}, which answers on its port: {err}; {hint}. "
+            f"(The driver tried {_GCS_TRIES} times, a second apart; for a head that is still "
+            "starting, RAY_NUM_REDIS_GET_RETRIES=20 tries longer)"
         ) from err
 
 
