@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 
 log = logging.getLogger(__name__)
 
@@ -143,21 +144,30 @@ def _drop(path: str) -> None:
         _remove_unheld(path)
 
 
-def sweep() -> list[str]:
+def sweep(wait_s: float = 0.0) -> list[str]:
     """Removes the files and folders of ours in :func:`folder` that no process holds; returns
-    their paths."""
+    their paths. With ``wait_s``, looks again every 0.1 s for that long while some are still
+    held (by processes being killed: a lock goes with its process, a moment after the kill)."""
     removed: list[str] = []
     if _unlocked:
         return removed  # no lock tells a killed process's file from a live one's
-    try:
-        names = os.listdir(folder())
-    except OSError:
-        return removed
-    for name in names:
-        path = os.path.join(folder(), name)
-        if name.startswith(PREFIX) and path not in _held and _remove_unheld(path):
-            removed.append(path)
-    return removed
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            names = os.listdir(folder())
+        except OSError:
+            return removed
+        held = False
+        for name in names:
+            path = os.path.join(folder(), name)
+            if name.startswith(PREFIX) and path not in _held:
+                if _remove_unheld(path):
+                    removed.append(path)
+                else:
+                    held = True
+        if not held or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.1)
 
 
 def _remove_unheld(path: str) -> bool:

@@ -56,6 +56,7 @@ BAD_ARGUMENTS: list[tuple[str, object]] = [
     *[("driver_callbacks", v) for v in ({"a": Callback()},)],
     *[("ship_driver_code", v) for v in (1, "yes", None)],
     *[("debug", v) for v in (1, "yes", None)],
+    *[("return_weights", v) for v in (0, "no", None)],
 ]
 
 #: (field, bad value) for every field of TorchConfig.

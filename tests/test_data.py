@@ -159,9 +159,10 @@ def _data_state() -> tuple[list[str], int]:
         for a in state.actors().values()
         if a["State"] == "ALIVE" and a["ActorClassName"] == "SplitCoordinator"
     ]
-    found = re.search(
-        r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True)
-    )
+    # the address of this driver's cluster: without one Ray looks for the last cluster recorded
+    # on the machine, which an earlier test's `ray start` head may have been
+    summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    found = re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", summary)
     return alive, int(found.group(1)) if found else -1
 
 

@@ -64,6 +64,10 @@ else:
 
 log = logging.getLogger(__name__)
 
+#: How long a failed attempt's end waits for its killed workers' local checkpoint copies to be
+#: released, at most (seconds).
+_SWEEP_WAIT_S = 1.0
+
 
 class RayLauncherBase(_Base):
     """Driver side: launches a Trainer entry point on a gang of Ray actors and brings results back.
@@ -302,8 +306,9 @@ class RayLauncherBase(_Base):
                     pool.release(executor, keep=keep, graceful=succeeded)
                 finally:
                     # local copies of resume checkpoints that killed workers of this node left
-                    # (workers on other nodes sweep theirs at the next copy they make)
-                    _scratch.sweep()
+                    # (workers on other nodes sweep theirs at the next copy they make); after a
+                    # failure, a moment for the killed ones' locks to go with their processes
+                    _scratch.sweep(wait_s=0.0 if succeeded else _SWEEP_WAIT_S)
 
     def _start_executor(self) -> BackendExecutor:
         strategy = self._strategy
