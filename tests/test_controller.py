@@ -288,7 +288,7 @@ def test_an_attempt_that_fails_once_its_workers_started_gives_them_back(monkeypa
     monkeypatch.setattr(
         launcher_module.pool, "release", lambda e, keep, graceful: released.append((e, keep))
     )
-    monkeypatch.setattr(launcher_module._scratch, "sweep", lambda: [])
+    monkeypatch.setattr(launcher_module._scratch, "sweep", lambda wait_s=0.0: [])
     launcher = RayLauncher(RaySGDStrategy(num_workers=1))
     monkeypatch.setattr(launcher, "_start_executor", lambda: executor)
     payload = SimpleNamespace(call_id="call-0", trainer=None)
