@@ -32,8 +32,6 @@ import subprocess
 import sys
 import time
 
-PARTS = ("ray_start", "actor_start", "cuda_init", "process_group", "lightning_import")
-
 
 def _cuda_init() -> float:
     """Runs on a worker: its CUDA context, timed."""

@@ -9,9 +9,9 @@ callbacks), else every :data:`OTHER_RANKS_INTERVAL_S`; the other ranks every
 :data:`OTHER_RANKS_MAX_INTERVAL_S` (so up to 21 workers the driver's polls do not grow with the
 number of workers, and beyond they grow at a quarter of the rate of a poll every 0.5 s). A rank
 that rank 0 says received SIGTERM is asked at once, and again once its notice arrived, so that it
-hears at once that the driver holds it. A worker is asked again only once its previous answer is in the driver's memory, and each
-poll acknowledges the latest values the driver holds. The driver's own time in callbacks does not
-count as any rank's silence. The answers give
+hears at once that the driver holds it. A worker is asked again only once its previous answer is
+in the driver's memory, and each poll acknowledges the latest values the driver holds. The
+driver's own time in callbacks does not count as any rank's silence. The answers give
 
 - each rank's output lines, printed here tagged ``[rank R]``;
 - rank 0's callback events (and functions any rank sent with ``send_to_driver``), replayed into

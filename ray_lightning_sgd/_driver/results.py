@@ -143,21 +143,17 @@ def _assign(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
     firsts = [keys[0] for keys in aliases.values()]
     model.load_state_dict({key: state[key].clone() for key in firsts}, strict=False, assign=True)
     for first, *others in aliases.values():
-        tensor = _slot(model, first)
+        table, name = _slot(model, first)
         for key in others:
-            owner, name = _owner(model, key)
-            table = owner._parameters if name in owner._parameters else owner._buffers
-            table[name] = tensor
+            alias_table, alias = _slot(model, key)
+            alias_table[alias] = table[name]
 
 
-def _owner(model: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str]:
+def _slot(model: torch.nn.Module, key: str) -> tuple[dict[str, Any], str]:
+    """Where the state dict's ``key`` lives: its module's parameters or buffers, and its name."""
     path, _, name = key.rpartition(".")
-    return (model.get_submodule(path) if path else model), name
-
-
-def _slot(model: torch.nn.Module, key: str) -> Any:
-    owner, name = _owner(model, key)
-    return owner._parameters[name] if name in owner._parameters else owner._buffers[name]
+    owner = model.get_submodule(path) if path else model
+    return (owner._parameters if name in owner._parameters else owner._buffers), name
 
 
 def _few(keys: list[str]) -> str:

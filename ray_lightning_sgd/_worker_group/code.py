@@ -289,15 +289,13 @@ def _private_fallback(root: str, problem: str) -> str:
 
 
 @functools.cache
-def _library_folders(resolve: bool = True) -> tuple[str, ...]:
-    """The folders of the standard library and of installed packages, as real paths (with
-    ``resolve=False``: as Python names them, each absolute)."""
+def _library_folders() -> tuple[str, ...]:
+    """The folders of the standard library and of installed packages."""
     paths = sysconfig.get_paths()
     folders = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
     folders.update(site.getsitepackages())
     folders.add(site.getusersitepackages())
-    named = (os.path.realpath(f) if resolve else os.path.abspath(f) for f in folders if f)
-    return tuple(sorted(set(named)))
+    return tuple(os.path.realpath(f) for f in folders if f)
 
 
 def _resolved(entries: Iterable[str]) -> list[str]:
@@ -326,12 +324,11 @@ def _own_modules(
     ``sys.path`` ``folders``, outside the standard library and site-packages; modules loaded
     from a file by path (not importable by name anywhere) are not among them."""
     own = {}
-    installed = _prefixes(_library_folders(resolve=False))
     for name, module in modules.items():
         file = getattr(module, "__file__", None)
         if module is None or not file or name.split(".")[0] in _NEVER_SHIPPED:
             continue
-        if file.startswith(installed):
+        if _under(file, libraries):
             # an installed module, named by the folder's own path: no need to resolve its file
             # (a first launch would stat and resolve thousands of them: 0.2 s here)
             continue
