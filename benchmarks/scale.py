@@ -8,7 +8,9 @@ driver):
 - the driver process's CPU seconds (all its threads: Python and Ray's core worker) per second of
   training;
 - the polls the driver sent to the workers per second and per training step, and the bytes
-  their answers held (pickled; the pickling's own CPU time is left out of the driver's);
+  their answers held (pickled; the pickling's own CPU time is left out of the driver's), and the
+  news questions it put to them again while training (each rank but 0 holds one from the call's
+  start; a rank that answers it, with output lines or a SIGTERM notice, gets it again);
 - the cold start: from the ``fit`` call to rank 0's first batch (reported by the same callback).
 
     python benchmarks/scale.py [--workers 2 4 8 16] [--seconds 10] [--repeats 1]
@@ -74,13 +76,19 @@ def run(workers: int, seconds: float) -> dict[str, float]:
     from ray_lightning_sgd import RaySGDStrategy, _compat
     from ray_lightning_sgd._driver import inbox
 
-    polls = {"count": 0, "bytes": 0, "measure_cpu_s": 0.0, "on": False}
+    polls = {"count": 0, "news": 0, "bytes": 0, "measure_cpu_s": 0.0, "on": False}
     ask, deliver = inbox.RunInbox._ask, inbox.RunInbox._deliver
+    ask_news = getattr(inbox.RunInbox, "_ask_news", None)  # absent before the news question
 
     def counted_ask(self, rank):
         if polls["on"]:
             polls["count"] += 1
         return ask(self, rank)
+
+    def counted_ask_news(self, rank):
+        if polls["on"]:
+            polls["news"] += 1
+        return ask_news(self, rank)
 
     def measured_deliver(self, rank, mail, run_calls):
         if polls["on"]:
@@ -90,6 +98,8 @@ def run(workers: int, seconds: float) -> dict[str, float]:
         return deliver(self, rank, mail, run_calls)
 
     inbox.RunInbox._ask, inbox.RunInbox._deliver = counted_ask, measured_deliver
+    if ask_news is not None:
+        inbox.RunInbox._ask_news = counted_ask_news
 
     class Switch(DriverMeter):
         def on_train_start(self, trainer, pl_module):
@@ -134,6 +144,8 @@ def run(workers: int, seconds: float) -> dict[str, float]:
         "driver_cpu_per_s": (cpu_end - cpu_start - polls["measure_cpu_s"]) / trained_s,
         "polls_per_s": polls["count"] / trained_s,
         "polls_per_step": polls["count"] / max(1, steps),
+        # news questions put again while training (each rank holds one from the call's start)
+        "news_per_s": polls["news"] / trained_s,
         "kb_polled_per_s": polls["bytes"] / 1024 / trained_s,
     }
 
@@ -165,6 +177,7 @@ def main() -> None:
         ("driver_cpu_per_s", "driver CPU s per s", 3),
         ("polls_per_s", "polls/s", 1),
         ("polls_per_step", "polls per step", 2),
+        ("news_per_s", "news questions/s", 1),
         ("kb_polled_per_s", "KB polled/s", 1),
     ]
     print(

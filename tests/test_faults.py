@@ -26,6 +26,7 @@ from ray_lightning_sgd import (
     WorkerDiedError,
     WorkerTimeoutError,
 )
+from ray_lightning_sgd._driver import inbox
 from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
 from tests.conftest import leftovers
 from tests.helpers import TinyModel, hang_reports, loader, quiet_trainer_kwargs
@@ -171,15 +172,23 @@ class Terminated(TinyModel):
         self.marker = marker
 
     def training_step(self, batch, batch_idx):
+        step = 0.25  # the ranks exchange notices about every 0.5 s, here every step or two
         if self.global_rank == 1 and self.global_step == 8 and not os.path.exists(self.marker):
             Path(self.marker).write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGTERM)
-        # steps of 0.25 s: the ranks exchange notices about every 0.5 s, here every step or two
-        time.sleep(0.25)
+            # a step longer than the 3 s the worker waits for the driver to hold its notice:
+            # no exchange of notices (at step boundaries) can tell the driver in time
+            step = 3.5
+        time.sleep(step)
         return super().training_step(batch, batch_idx)
 
 
-def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(ray_cluster, tmp_path, caplog):
+def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(
+    ray_cluster, tmp_path, caplog, monkeypatch
+):
+    # rank 1 polled every 2 minutes, as a rank of a group of 1,000 is every 100 s: its notice
+    # reaches the driver within the 3 s its worker waits through the news question alone
+    monkeypatch.setattr(inbox, "OTHER_RANKS_PER_S", 1 / 120)
     pl.seed_everything(0)
     reference = TinyModel()
     _fit(reference, RaySGDStrategy(num_workers=2), max_epochs=2)

@@ -34,16 +34,10 @@ TIMED_STEPS = 20
 #: The outbox channel of the run's latest resume point.
 RESUME = "resume"
 
-#: Rank 0's outbox channel of the ranks that received SIGTERM, as the ranks' exchange of notices
-#: told it: the driver, which asks large groups' other ranks seldom, asks those at once (each
-#: waits a few seconds for the driver to hold its own notice, :data:`SIGTERM_NOTICE`).
-NOTICED = "noticed"
-
 
 __all__ = [
     "CALL",
     "EVENTS",
-    "NOTICED",
     "OUTPUT",
     "PROGRESS",
     "RESUME",

@@ -5,13 +5,17 @@ asks each worker for its outbox (:mod:`ray_lightning_sgd._worker_group.outbox`) 
 rank 0 every :data:`PUMP_INTERVAL_S` while the driver shows its events live (a progress bar, driver
 callbacks), else every :data:`OTHER_RANKS_INTERVAL_S`; the other ranks every
 :data:`OTHER_RANKS_INTERVAL_S`, or less often in a larger group, where they are asked
-:data:`OTHER_RANKS_PER_S` times a second together, each at least every
-:data:`OTHER_RANKS_MAX_INTERVAL_S` (so up to 21 workers the driver's polls do not grow with the
-number of workers, and beyond they grow at a quarter of the rate of a poll every 0.5 s). A rank
-that rank 0 says received SIGTERM is asked at once, and again once its notice arrived, so that it
-hears at once that the driver holds it. A worker is asked again only once its previous answer is
-in the driver's memory, and each poll acknowledges the latest values the driver holds. The
-driver's own time in callbacks does not count as any rank's silence. The answers give
+:data:`OTHER_RANKS_PER_S` times a second together, so the driver's polls do not grow with the
+number of workers. What cannot wait for a rank's turn comes through a standing question the
+driver holds on every other rank (``news``, answered by the worker's own thread for it, see
+:meth:`~ray_lightning_sgd._worker_group.outbox.Outbox.wait_news`): a rank that received SIGTERM
+answers it at once and is polled at once, and again once its notice arrived, so that it hears at
+once that the driver holds it; a rank with output lines or functions sent to the driver answers
+it after :data:`OTHER_RANKS_INTERVAL_S`; the driver asks it again after that poll's answer. A
+rank that looks silent past ``progress_timeout_s`` is polled at once, and only an answer that
+shows it silent (or no answer) fails the call. A worker is asked again only once its previous
+answer is in the driver's memory, and each poll acknowledges the latest values the driver holds.
+The driver's own time in callbacks does not count as any rank's silence. The answers give
 
 - each rank's output lines, printed here tagged ``[rank R]``;
 - rank 0's callback events (and functions any rank sent with ``send_to_driver``), replayed into
@@ -29,16 +33,18 @@ strategy) and, printed to stderr, SIGUSR1 to the driver (:attr:`RunInbox.stacks_
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
+import math
 import sys
 import time
+from concurrent.futures import Future
 
 import ray
 
 from ray_lightning_sgd._boundary.channels import (
     EVENTS,
-    NOTICED,
     OUTPUT,
     PROGRESS,
     RESUME,
@@ -63,13 +69,12 @@ PUMP_INTERVAL_S = 0.1
 #: How often the driver asks each other rank (output lines and progress only) at most, and rank 0
 #: when nothing on the driver shows its events live.
 OTHER_RANKS_INTERVAL_S = 0.5
-#: How many polls a second the ranks other than 0 get together, at most, while each is asked at
-#: least every :data:`OTHER_RANKS_MAX_INTERVAL_S`: from 6 to 21 workers each other rank is asked
-#: every ``(workers - 1) / OTHER_RANKS_PER_S`` seconds, beyond that every 2 s.
+#: How many polls a second the ranks other than 0 get together, at most: from 6 workers on, each
+#: other rank is asked every ``(workers - 1) / OTHER_RANKS_PER_S`` seconds (what cannot wait comes
+#: through the standing ``news`` question).
 OTHER_RANKS_PER_S = 10.0
-#: The longest wait between two polls of a rank: under the few seconds a worker that received
-#: SIGTERM waits for the driver to hold its notice (and to say so in its next poll).
-OTHER_RANKS_MAX_INTERVAL_S = 2.0
+#: A poll unanswered for this long shows a silent rank as silent (its worker cannot answer).
+_UNANSWERED_S = 5.0
 #: How often the driver looks for ranks silent too long (seconds).
 _CHECK_EVERY_S = 0.5
 #: How long the driver waits for the workers' last answers after an attempt succeeded.
@@ -123,6 +128,16 @@ class RunInbox:
         self._group: WorkerGroup | None = None
         self._call_id = ""
         self._asked: dict[int, ray.ObjectRef] = {}
+        # when each rank was last asked, and last answered (the silences' clock)
+        self._asked_at: dict[int, float] = {}
+        self._answered_at: dict[int, float] = {}
+        # the standing news questions (one per rank other than 0), the ranks whose answer came
+        # (with the attempt they belong to; appended by Ray's callback thread), and the ranks
+        # to ask again once their poll's answer arrived
+        self._attempt = 0
+        self._news: dict[int, ray.ObjectRef] = {}
+        self._news_came: collections.deque[tuple[int, int]] = collections.deque()
+        self._ask_news_again: set[int] = set()
         # (when, rank) of each rank's next poll, the soonest first
         self._next_ask: list[tuple[float, int]] = []
         self._intervals = (OTHER_RANKS_INTERVAL_S, OTHER_RANKS_INTERVAL_S)
@@ -141,12 +156,12 @@ class RunInbox:
         ``call_id``. Every rank's progress clock starts now."""
         now = self._now()
         self._group, self._call_id = group, call_id
-        self._asked = {}
+        self._asked, self._asked_at, self._answered_at = {}, {}, {}
+        self._attempt += 1
+        self._news, self._ask_news_again = {}, set()
+        self._news_came.clear()
         live = self.replay is not None and self.replay.shows_live
-        others = min(
-            OTHER_RANKS_MAX_INTERVAL_S,
-            max(OTHER_RANKS_INTERVAL_S, (len(group) - 1) / OTHER_RANKS_PER_S),
-        )
+        others = max(OTHER_RANKS_INTERVAL_S, (len(group) - 1) / OTHER_RANKS_PER_S)
         self._intervals = (PUMP_INTERVAL_S if live else OTHER_RANKS_INTERVAL_S, others)
         # the other ranks' first polls spread over one interval: never all of them at once
         spread = others / max(1, len(group) - 1)
@@ -168,6 +183,23 @@ class RunInbox:
                 f"(the files ending in -{meta.pid}.out and .err in the session's logs folder, "
                 "/tmp/ray/session_latest/logs by default) ===",
             )
+        for rank in range(1, len(group)):  # rank 0 is asked often anyway
+            self._ask_news(rank)
+
+    def _ask_news(self, rank: int) -> None:
+        """Puts the standing question to ``rank``: its answer (True) lands in the news."""
+        group = self._group
+        if group is None:
+            return
+        attempt = self._attempt
+        ref = group.news_async(rank, self._call_id, OTHER_RANKS_INTERVAL_S)
+        self._news[rank] = ref  # held until it is asked again or the attempt ends
+
+        def answered(future: Future) -> None:  # in Ray's thread: only note it
+            if future.exception() is None and future.result():
+                self._news_came.append((attempt, rank))
+
+        ref.future().add_done_callback(answered)
 
     def stacks(self, timeout_s: float = STACKS_WAIT_S) -> list[RankStack]:
         """Driver side, any thread: every rank's stack of its training thread now, with its
@@ -203,6 +235,14 @@ class RunInbox:
         wall = self._wall()
         self._busy_s += wall - started
         now = self._now()
+        for rank in [r for r in self._ask_news_again if r not in self._asked]:
+            self._ask_news_again.discard(rank)  # the poll's answer came: news from now on
+            self._ask_news(rank)
+        while self._news_came:
+            attempt, rank = self._news_came.popleft()
+            if attempt == self._attempt:
+                self._ask_now(rank)
+                self._ask_news_again.add(rank)
         while self._next_ask and self._next_ask[0][0] <= wall:
             due, rank = heapq.heappop(self._next_ask)
             if rank not in self._asked:  # else its answer is still on its way: ask later
@@ -231,7 +271,7 @@ class RunInbox:
             return
         self._last_answers(timeout_s=_LAST_ANSWERS_S, run_calls=True)
         self._warn_of_straggler()  # a call too short for a poll to see it
-        self._group = None
+        self._end_attempt()
 
     def abandon(self) -> None:
         """Driver side: the attempt failed or was lost; takes what the survivors left within a
@@ -244,7 +284,12 @@ class RunInbox:
         except Exception:
             log.debug("Could not take the last mail of a failed attempt", exc_info=True)
         self._asked = {}
-        self._group = None
+        self._end_attempt()
+
+    def _end_attempt(self) -> None:
+        # the news questions end with the call on each worker (or with the worker)
+        self._group, self._news, self._ask_news_again = None, {}, set()
+        self._attempt += 1
 
     def _last_answers(self, timeout_s: float, run_calls: bool) -> None:
         # the answers on their way may predate the last mail: take them, then ask every rank again
@@ -266,6 +311,7 @@ class RunInbox:
     def _ask(self, rank: int) -> ray.ObjectRef:
         if self._group is None:
             raise RuntimeError("RunInbox asks the workers of an attempt only")
+        self._asked_at[rank] = self._now()
         return self._group.poll_async(rank, dict(self._acknowledged.get(rank, {})))
 
     def _take_answers(self, timeout_s: float, run_calls: bool) -> None:
@@ -285,6 +331,8 @@ class RunInbox:
             self._deliver(rank, mail, run_calls)
 
     def _deliver(self, rank: int, mail: Mail, run_calls: bool) -> None:
+        # an answer shows the rank as it is now, even before its call began there
+        self._answered_at[rank] = self._now()
         if mail.call_id != self._call_id:
             return  # a warm worker's previous call, or this one not yet begun
         lines = mail.items.get(OUTPUT)
@@ -294,9 +342,6 @@ class RunInbox:
             self._run.resume_point_arrived(mail.latest[RESUME])
             # in the driver's memory now: rank 0 trains on once the next poll says so
             self._acknowledged.setdefault(rank, {})[RESUME] = mail.sequences[RESUME]
-        if NOTICED in mail.latest:  # rank 0 says which ranks received SIGTERM: ask them now
-            for noticed in mail.latest[NOTICED]:
-                self._ask_now(noticed)
         if SIGTERM_NOTICE in mail.latest:
             self._run.sigterm_received(rank)
             log.warning("%s received SIGTERM", _rank_on_node(self._run.metadata, rank))
@@ -348,9 +393,19 @@ class RunInbox:
         timeout = self.progress_timeout_s
         if timeout is None:
             return
-        quiet = [
-            (rank, now - at) for rank, at in sorted(self._progress_at.items()) if now - at > timeout
-        ]
+        quiet = []
+        for rank, at in sorted(self._progress_at.items()):
+            if now - at <= timeout:
+                continue
+            # what the driver knows may be old (a large group's ranks are asked seldom): only
+            # an answer that shows the silence, or a poll left unanswered, ends the call
+            known_at = self._answered_at.get(rank, -math.inf)
+            if rank in self._asked and now - self._asked_at.get(rank, now) > _UNANSWERED_S:
+                known_at = now
+            if known_at - at > timeout:
+                quiet.append((rank, now - at))
+            else:
+                self._ask_now(rank)
         if not quiet:
             return
         ranks = "; ".join(

@@ -23,7 +23,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, cast
 
 from ray_lightning_sgd import _files, _scratch
-from ray_lightning_sgd._boundary.channels import NOTICED, RESUME
+from ray_lightning_sgd._boundary.channels import RESUME
 from ray_lightning_sgd._boundary.resume_points import (
     ResumePoint,
     checkpoint_name,
@@ -213,8 +213,6 @@ class ResumeCheckpointBase:
         ranks = self._notices.at_boundary(trainer)
         if not ranks:
             return
-        if trainer.global_rank == 0:  # the driver may ask the other ranks seldom: it asks these now
-            get_outbox().put_latest(NOTICED, ranks)
         self._saving = (batch_idx, _replicas(_train_loaders(trainer)[0]))
         try:
             point = self._save(trainer)

@@ -47,7 +47,7 @@ from ray_lightning_sgd._worker_group.ranks import (
     rank_order,
     visible_devices,
 )
-from ray_lightning_sgd._worker_group.worker import POLL_GROUP, _Worker
+from ray_lightning_sgd._worker_group.worker import NEWS_GROUP, POLL_GROUP, _Worker
 from ray_lightning_sgd.exceptions import (
     ResourcesUnavailableError,
     WorkerGroupError,
@@ -234,6 +234,12 @@ class WorkerGroup:
         while the function runs."""
         return self._worker(index, "poll").actor.poll.remote(acknowledged)
 
+    def news_async(self, index: int, call_id: str, items_after_s: float) -> ray.ObjectRef:
+        """Driver side: asks the worker of global rank ``index`` to answer once call ``call_id``
+        has something to poll for now (True: a SIGTERM notice at once, output lines or sent
+        functions after ``items_after_s``) or has ended (False)."""
+        return self._worker(index, "news").actor.news.remote(call_id, items_after_s)
+
     def stack_async(self, index: int) -> ray.ObjectRef:
         """Driver side: asks the worker of global rank ``index`` for the stack of the thread
         that runs the function (a :class:`~ray_lightning_sgd._worker_group.stacks.ThreadStack`,
@@ -386,7 +392,7 @@ class WorkerGroup:
         num_cpus = resources.pop("CPU", 0)
         num_gpus = resources.pop("GPU", 0)
         runtime_env = {"env_vars": dict(config.worker_env)} if config.worker_env else None
-        actor_cls = ray.remote(concurrency_groups={POLL_GROUP: 1})(_Worker)  # type: ignore[call-overload]
+        actor_cls = ray.remote(concurrency_groups={POLL_GROUP: 1, NEWS_GROUP: 1})(_Worker)  # type: ignore[call-overload]
         return [
             (
                 actor_cls.options(

@@ -8,7 +8,11 @@ trains, with no process in between. A function writes to this worker's :class:`O
 - :meth:`Outbox.put_latest` replaces a channel's value (where the rank is, the latest resume
   checkpoint); a poll takes a new value once, and reports every value's age at each poll;
 - :meth:`Outbox.wait_delivered` waits until the driver holds a value: each poll carries the
-  numbers of the values the driver has taken into its own memory (an acknowledgement).
+  numbers of the values the driver has taken into its own memory (an acknowledgement);
+- :meth:`Outbox.wait_news` answers the driver's standing question "is there anything I should
+  ask you for now?": at once for an urgent value (a SIGTERM notice), after a while for items
+  (output lines, functions sent to the driver), so that the driver, which asks the ranks of a
+  large group seldom, asks a rank at once when it has something to say.
 
 Each call opens the outbox under its own id; the driver ignores mail of any other call (a warm
 worker's previous one).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 
@@ -41,8 +46,16 @@ class Outbox:
     polls (from another thread)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Condition()
+        mutex = threading.RLock()
+        self._lock = threading.Condition(mutex)
+        # the news question waits on its own condition (same lock), woken only by what it asks
+        # about: never at each step's progress or event
+        self._news = threading.Condition(mutex)
+        self._urgent: Collection[str] = ()  # the channels the waiting news question names
         self._call_id = ""
+        # how many calls opened the outbox so far, and whether the latest is still running
+        self._opened = 0
+        self._running = False
         self._items: dict[str, list[Any]] = {}
         # channel -> (value, put at, sequence number, whether a poll took it)
         self._latest: dict[str, tuple[Any, float, int, bool]] = {}
@@ -54,20 +67,34 @@ class Outbox:
         """Empties the outbox for a new call."""
         with self._lock:
             self._call_id = call_id
+            self._opened += 1
+            self._running = True
             self._items = {}
             self._latest = {}
             self._lock.notify_all()
+            self._news.notify_all()
+
+    def close(self) -> None:
+        """The call ended (its mail stays for the driver's last polls)."""
+        with self._lock:
+            self._running = False
+            self._news.notify_all()
 
     def append(self, channel: str, items: list[Any]) -> None:
         """Adds ``items`` to ``channel``; the next poll takes them."""
         with self._lock:
+            had_items = any(self._items.values())
             self._items.setdefault(channel, []).extend(items)
+            if not had_items and items:
+                self._news.notify_all()  # items now wait
 
     def put_latest(self, channel: str, value: Any) -> int:
         """Makes ``value`` the channel's latest; returns its number for :meth:`wait_delivered`."""
         with self._lock:
             self._sequence += 1
             self._latest[channel] = (value, time.monotonic(), self._sequence, False)
+            if channel in self._urgent:
+                self._news.notify_all()
             return self._sequence
 
     def wait_delivered(self, channel: str, sequence: int, timeout_s: float) -> bool:
@@ -82,6 +109,37 @@ class Outbox:
 
         with self._lock:
             return self._lock.wait_for(delivered, timeout=timeout_s)
+
+    def wait_news(self, call_id: str, urgent: Collection[str], items_after_s: float) -> bool:
+        """Waits until call ``call_id`` has something the driver should ask for now: True at
+        once when a channel in ``urgent`` holds a value no poll took yet, or when items wait
+        and ``items_after_s`` have passed since this wait began (so a rank that prints all
+        the time is asked at most that often this way); False when that call ended, or when
+        another call opened the outbox after this wait began (``call_id`` never ran here).
+        A wait that begins before its call opens the outbox waits for it."""
+        items_from = time.monotonic() + items_after_s
+        with self._lock:
+            opened = self._opened
+            self._urgent = urgent
+            while True:
+                if self._call_id != call_id:
+                    if self._opened != opened:
+                        return False  # another call began: this one will not
+                    timeout = None
+                else:
+                    if any(
+                        channel in self._latest and not self._latest[channel][3]
+                        for channel in urgent
+                    ):
+                        return True
+                    if not self._running:
+                        return False
+                    timeout = None
+                    if any(self._items.values()):
+                        timeout = items_from - time.monotonic()
+                        if timeout <= 0:
+                            return True
+                self._news.wait(timeout)
 
     def take(self, acknowledged: dict[str, int] | None = None) -> Mail:
         """Answers a poll: the items added and the values put since the previous poll.

@@ -28,6 +28,9 @@ IN_COLLECTIVE = "_ray_lightning_sgd_in_collective"
 
 #: The actor's second thread: polls are answered while a function runs in the first.
 POLL_GROUP = "poll"
+#: The actor's third thread: the driver's standing question whether to poll this worker now
+#: (:meth:`_Worker.news`), held while a function runs.
+NEWS_GROUP = "news"
 
 #: The outbox channel that tells the driver this worker received SIGTERM while running a call.
 SIGTERM_NOTICE = "sigterm"
@@ -134,6 +137,14 @@ class _Worker:
         ``acknowledged``: the numbers of the latest values the driver holds."""
         return get_outbox().take(acknowledged)
 
+    @ray.method(concurrency_group=NEWS_GROUP)
+    def news(self, call_id: str, items_after_s: float) -> bool:
+        """Returns once call ``call_id`` has something the driver should poll for now: True at
+        once for a SIGTERM notice, after ``items_after_s`` for output lines or sent functions;
+        False once that call ended (see :meth:`Outbox.wait_news`). The driver holds one such
+        question per worker, so it can poll the workers of a large group seldom."""
+        return get_outbox().wait_news(call_id, (SIGTERM_NOTICE,), items_after_s)
+
     @ray.method(concurrency_group=POLL_GROUP)
     def stack(self) -> ThreadStack | None:
         """The stack of the thread that runs the driver's function, read while it runs; None
@@ -170,6 +181,7 @@ class _Worker:
         finally:
             self._running = False
             preemption.grace_s = 0.0
+            get_outbox().close()  # the driver's standing question about this call is answered
             self._call_ended.set()
 
 
