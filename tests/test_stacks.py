@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import ray
 
 from ray_lightning_sgd._boundary.channels import PROGRESS, TIMED_STEPS
 from ray_lightning_sgd._driver.inbox import RunInbox
@@ -184,7 +185,7 @@ def test_a_rank_with_news_is_asked_at_once_and_a_sigterm_notice_is_acknowledged_
     attempt = inbox._attempt
     # what Ray's thread appends when a news question is answered: 57 and 900 of this attempt,
     # 58 of an earlier one
-    inbox._news_came.extend([(attempt, 57), (attempt - 1, 58), (attempt, 900)])
+    inbox._news_came.extend([(attempt, 57, False), (attempt - 1, 58, False), (attempt, 900, False)])
     inbox.pump()
     assert asked[:2] == [57, 900] and 58 not in asked
     assert inbox.news_asked == []  # type: ignore[attr-defined]  (not before their answers)
@@ -217,12 +218,74 @@ def test_a_rank_that_only_looks_silent_is_asked_before_the_timeout_fails_the_cal
     inbox._deliver(900, Mail("call", {}, {}, {PROGRESS: 41.0}, {}), run_calls=False)
     with pytest.raises(WorkerTimeoutError, match="rank 900"):
         inbox._check(inbox._now())  # the fresh answer shows it: the call fails
-    # a poll that gets no answer counts as silence too
+    # a poll that gets no answer within 5 s counts as silence too
     inbox._progress_at, inbox._answered_at = {0: now, 7: now - 40.0}, {0: now}
     inbox._asked = {7: "poll 7"}
+    inbox._asked_at = {7: now - 4.0}
+    inbox._check(now)  # 4 s: not yet
     inbox._asked_at = {7: now - 6.0}
     with pytest.raises(WorkerTimeoutError, match="rank 7"):
         inbox._check(now)
+    # and so does a poll that failed (a worker that cannot be reached)
+    inbox._progress_at, inbox._answered_at = {0: now, 8: now - 40.0}, {0: now}
+    inbox._asked, inbox._asked_at = {8: "poll 8"}, {8: now - 0.1}
+
+    def unreachable(ref):
+        raise ray.exceptions.RayError("unreachable")
+
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(ray, "get", unreachable)
+    inbox._take_answers(timeout_s=0.0, run_calls=False)
+    with pytest.raises(WorkerTimeoutError, match="rank 8"):
+        inbox._check(inbox._now())
+
+
+def test_news_answers_of_this_attempt_poll_their_rank_and_a_failed_question_is_put_again(
+    monkeypatch,
+):
+    """The real callback: Ray's thread notes the answer; the pump acts on this attempt's."""
+    from concurrent.futures import Future
+
+    class Ref:
+        def __init__(self) -> None:
+            self.fut: Future = Future()
+
+        def future(self) -> Future:
+            return self.fut
+
+    questions: dict[int, list[Ref]] = {}
+
+    class Group(list):
+        def news_async(self, rank: int, call_id: str, items_after_s: float) -> Ref:
+            ref = Ref()
+            questions.setdefault(rank, []).append(ref)
+            return ref
+
+    clock, asked = [1000.0], []
+    inbox = RunInbox(None, None, Run())
+    monkeypatch.setattr(inbox, "_wall", lambda: clock[0])
+    monkeypatch.setattr(inbox, "_ask", lambda rank: asked.append(rank) or f"poll {rank}")
+    monkeypatch.setattr(inbox, "_take_answers", lambda timeout_s, run_calls: None)
+    monkeypatch.setattr(inbox, "_check", lambda now: None)
+    inbox.attach(Group(range(1001)), "call")  # type: ignore[arg-type]
+    assert sorted(questions) == list(range(1, 1001))  # one each, rank 0 none
+    inbox.pump()
+    asked.clear()
+    questions[5][0].fut.set_result(True)  # news
+    questions[6][0].fut.set_result(False)  # its call ended: nothing to do
+    questions[7][0].fut.set_exception(ray.exceptions.RayError("unreachable"))
+    inbox.pump()
+    assert asked == [5] and len(questions[7]) == 1
+    clock[0] += 1.1
+    inbox.pump()
+    assert len(questions[7]) == 2 and len(questions[6]) == 1  # 7's question put again
+    old = questions[8][0]
+    inbox._end_attempt()
+    inbox.attach(Group(range(1001)), "call-2")  # type: ignore[arg-type]  (the next attempt)
+    asked.clear()
+    old.fut.set_result(True)  # an answer of the attempt that ended
+    inbox.pump()
+    assert 8 not in asked
 
 
 def test_the_news_question_waits_for_its_call_and_answers_what_cannot_wait():
@@ -252,14 +315,16 @@ def test_the_news_question_waits_for_its_call_and_answers_what_cannot_wait():
     outbox.put_latest("sigterm", 123)
     assert settle(got) == [True]
     outbox.take()  # the driver took the notice: a new question waits again
-    got = answer(outbox, "b")
     started = time.monotonic()
+    got = answer(outbox, "b")
     outbox.append("output", ["a line"])
     assert settle(got) == [True] and time.monotonic() - started >= 0.2  # not before 0.2 s
     outbox.take()
     got = answer(outbox, "b")
     outbox.close()  # the call ended
     assert settle(got) == [False]
+    outbox.open("e")
+    assert settle(answer(outbox, "b")) == [False]  # a question that came after b ended
     got = answer(outbox, "c")  # a question for a call that never opens here...
     time.sleep(0.1)
     outbox.open("d")  # ...ends when another call opens

@@ -66,8 +66,9 @@ log = logging.getLogger(__name__)
 #: How often the driver looks at the answers and asks rank 0 for its outbox while the workers
 #: run and the driver shows rank 0's events live (seconds).
 PUMP_INTERVAL_S = 0.1
-#: How often the driver asks each other rank (output lines and progress only) at most, and rank 0
-#: when nothing on the driver shows its events live.
+#: How often the driver asks each other rank in its turn at most (more often only when its news
+#: question or a silence past ``progress_timeout_s`` asks for it), and rank 0 when nothing on the
+#: driver shows its events live.
 OTHER_RANKS_INTERVAL_S = 0.5
 #: How many polls a second the ranks other than 0 get together, at most: from 6 workers on, each
 #: other rank is asked every ``(workers - 1) / OTHER_RANKS_PER_S`` seconds (what cannot wait comes
@@ -75,6 +76,8 @@ OTHER_RANKS_INTERVAL_S = 0.5
 OTHER_RANKS_PER_S = 10.0
 #: A poll unanswered for this long shows a silent rank as silent (its worker cannot answer).
 _UNANSWERED_S = 5.0
+#: How long after a news question failed (a worker briefly unreachable) it is put again.
+_NEWS_RETRY_S = 1.0
 #: How often the driver looks for ranks silent too long (seconds).
 _CHECK_EVERY_S = 0.5
 #: How long the driver waits for the workers' last answers after an attempt succeeded.
@@ -136,8 +139,9 @@ class RunInbox:
         # to ask again once their poll's answer arrived
         self._attempt = 0
         self._news: dict[int, ray.ObjectRef] = {}
-        self._news_came: collections.deque[tuple[int, int]] = collections.deque()
+        self._news_came: collections.deque[tuple[int, int, bool]] = collections.deque()
         self._ask_news_again: set[int] = set()
+        self._news_retry: dict[int, float] = {}  # rank -> when its failed question is put again
         # (when, rank) of each rank's next poll, the soonest first
         self._next_ask: list[tuple[float, int]] = []
         self._intervals = (OTHER_RANKS_INTERVAL_S, OTHER_RANKS_INTERVAL_S)
@@ -158,7 +162,7 @@ class RunInbox:
         self._group, self._call_id = group, call_id
         self._asked, self._asked_at, self._answered_at = {}, {}, {}
         self._attempt += 1
-        self._news, self._ask_news_again = {}, set()
+        self._news, self._ask_news_again, self._news_retry = {}, set(), {}
         self._news_came.clear()
         live = self.replay is not None and self.replay.shows_live
         others = max(OTHER_RANKS_INTERVAL_S, (len(group) - 1) / OTHER_RANKS_PER_S)
@@ -196,8 +200,9 @@ class RunInbox:
         self._news[rank] = ref  # held until it is asked again or the attempt ends
 
         def answered(future: Future) -> None:  # in Ray's thread: only note it
-            if future.exception() is None and future.result():
-                self._news_came.append((attempt, rank))
+            failed = future.exception() is not None
+            if failed or future.result():
+                self._news_came.append((attempt, rank, failed))
 
         ref.future().add_done_callback(answered)
 
@@ -239,10 +244,18 @@ class RunInbox:
             self._ask_news_again.discard(rank)  # the poll's answer came: news from now on
             self._ask_news(rank)
         while self._news_came:
-            attempt, rank = self._news_came.popleft()
-            if attempt == self._attempt:
+            attempt, rank, failed = self._news_came.popleft()
+            if attempt != self._attempt:
+                continue
+            if failed:  # a lost worker fails the attempt; a worker briefly unreachable is asked
+                self._news_retry[rank] = wall + _NEWS_RETRY_S  # again in a moment
+            else:
                 self._ask_now(rank)
                 self._ask_news_again.add(rank)
+        for rank, due in list(self._news_retry.items()):
+            if due <= wall:
+                del self._news_retry[rank]
+                self._ask_news(rank)
         while self._next_ask and self._next_ask[0][0] <= wall:
             due, rank = heapq.heappop(self._next_ask)
             if rank not in self._asked:  # else its answer is still on its way: ask later
@@ -288,7 +301,7 @@ class RunInbox:
 
     def _end_attempt(self) -> None:
         # the news questions end with the call on each worker (or with the worker)
-        self._group, self._news, self._ask_news_again = None, {}, set()
+        self._group, self._news, self._ask_news_again, self._news_retry = None, {}, set(), {}
         self._attempt += 1
 
     def _last_answers(self, timeout_s: float, run_calls: bool) -> None:
@@ -327,7 +340,10 @@ class RunInbox:
             try:
                 mail = ray.get(ref)
             except ray.exceptions.RayError:
-                continue  # a lost worker: the wait for the call's results reports it
+                # a lost worker: the wait for the call's results reports it; an answer all the
+                # same for a silence (it shows no progress)
+                self._answered_at[rank] = self._now()
+                continue
             self._deliver(rank, mail, run_calls)
 
     def _deliver(self, rank: int, mail: Mail, run_calls: bool) -> None:

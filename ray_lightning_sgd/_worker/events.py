@@ -58,9 +58,9 @@ def close_channel() -> None:
 def send_to_driver(function: Any, *args: Any) -> None:
     """Runs on a worker, during a Trainer's call: runs ``function(*args)`` on the driver, within
     about 0.1 s from rank 0 while the driver shows its events live (a progress bar, driver
-    callbacks; else 0.5 s), after the events before it, and 0.5 s from other ranks (in groups
-    of more than 6 workers up to ``(workers - 1) / 10`` s, see
-    :mod:`ray_lightning_sgd._driver.inbox`); ``function`` must be importable there. Does not
+    callbacks; else 0.5 s), after the events before it, and about 0.5 s from other ranks
+    (through the driver's news question, see :mod:`ray_lightning_sgd._driver.inbox`);
+    ``function`` must be importable there. Does not
     wait for it. What ``function`` raises on the driver fails the call. A call that failed runs
     no more of them."""
     if not _open:

@@ -20,6 +20,7 @@ worker's previous one).
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Collection
@@ -56,6 +57,8 @@ class Outbox:
         # how many calls opened the outbox so far, and whether the latest is still running
         self._opened = 0
         self._running = False
+        # the ids of the latest calls that ended here: a question about one of them is late
+        self._ended: collections.deque[str] = collections.deque(maxlen=16)
         self._items: dict[str, list[Any]] = {}
         # channel -> (value, put at, sequence number, whether a poll took it)
         self._latest: dict[str, tuple[Any, float, int, bool]] = {}
@@ -77,6 +80,8 @@ class Outbox:
     def close(self) -> None:
         """The call ended (its mail stays for the driver's last polls)."""
         with self._lock:
+            if self._running:
+                self._ended.append(self._call_id)
             self._running = False
             self._news.notify_all()
 
@@ -115,12 +120,15 @@ class Outbox:
         once when a channel in ``urgent`` holds a value no poll took yet, or when items wait
         and ``items_after_s`` have passed since this wait began (so a rank that prints all
         the time is asked at most that often this way); False when that call ended, or when
-        another call opened the outbox after this wait began (``call_id`` never ran here).
+        another call opened the outbox after this wait began (``call_id`` never ran here), or
+        at once when ``call_id`` ended before this wait began (a question that came late).
         A wait that begins before its call opens the outbox waits for it."""
         items_from = time.monotonic() + items_after_s
         with self._lock:
             opened = self._opened
             self._urgent = urgent
+            if call_id in self._ended:
+                return False
             while True:
                 if self._call_id != call_id:
                     if self._opened != opened:

@@ -141,7 +141,8 @@ class _Worker:
     def news(self, call_id: str, items_after_s: float) -> bool:
         """Returns once call ``call_id`` has something the driver should poll for now: True at
         once for a SIGTERM notice, after ``items_after_s`` for output lines or sent functions;
-        False once that call ended (see :meth:`Outbox.wait_news`). The driver holds one such
+        False once that call ended, or once another call began here (see
+        :meth:`Outbox.wait_news`). The driver holds one such
         question per worker, so it can poll the workers of a large group seldom."""
         return get_outbox().wait_news(call_id, (SIGTERM_NOTICE,), items_after_s)
 
