@@ -80,10 +80,12 @@ class RayLauncherBase(_Base):
         strategy: The strategy whose worker group and backend configs the launch uses.
     """
 
-    #: The worker half: what each worker runs (the packed payload, the modules to import first)
-    #: and returns (its packed :class:`~ray_lightning_sgd._boundary.results.WorkerOutput`); each
+    #: The worker half: what each worker runs (the packed payload, the modules to import first,
+    #: the Ray Data splits, the attempt's id) and returns (its packed :class:`~ray_lightning_sgd._boundary.results.WorkerOutput`); each
     #: namespace's ``RayLauncher`` names :func:`ray_lightning_sgd._worker.entry.run_on_worker`.
-    worker_half: ClassVar[staticmethod[[Packed, Sequence[str], Sequence[DatasetSplit]], Packed]]
+    worker_half: ClassVar[
+        staticmethod[[Packed, Sequence[str], Sequence[DatasetSplit], str], Packed]
+    ]
 
     def __init__(self, strategy: StrategyView) -> None:
         self._strategy = strategy
@@ -257,7 +259,7 @@ class RayLauncherBase(_Base):
             attempt.splits = datasets.split(to_split, executor.worker_group.metadata, predicting)
             imports = (self._strategy.flavour.namespace,)
             attempt.refs = executor.run_async(
-                self.worker_half, shipped.result(), imports, attempt.splits
+                self.worker_half, shipped.result(), imports, attempt.splits, attempt.call_id
             )
         except BaseException:  # the controller stops only the attempts it got back
             self._stop_attempt(attempt, succeeded=False, run=run, inbox=inbox)

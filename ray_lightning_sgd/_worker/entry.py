@@ -89,15 +89,21 @@ class _BatchIndexRecorderBase:
 
 
 def run_on_worker(
-    packed: Packed, imports: Sequence[str] = (), splits: Sequence[DatasetSplit] = ()
+    packed: Packed,
+    imports: Sequence[str] = (),
+    splits: Sequence[DatasetSplit] = (),
+    call_id: str = "",
 ) -> Packed:
     """Runs on each worker. Runs the entry point under the assigned rank and collects results.
 
     ``imports`` are the modules the payload needs (the Trainer's Lightning namespace); they are
     imported before the payload is unpickled, see :func:`_freeze_what_imports_built`. ``splits``
     are the call's Ray Data datasets, which the driver set aside from the payload: this rank's
-    shard of each takes the dataset's place.
+    shard of each takes the dataset's place. ``call_id``: the attempt's id, under which the
+    outbox opens first thing (a SIGTERM while the imports run is this call's notice).
     """
+    if call_id:
+        get_outbox().open(call_id)
     _freeze_what_imports_built(imports)
     rank = get_worker_context().rank.global_rank
     shards = tuple(each.shard(rank) for each in splits)
@@ -145,7 +151,8 @@ def _run_payload(payload: Payload, shards: tuple[DatasetShard, ...] = ()) -> Wor
     """Runs on each worker: the call, prepared, run and its results collected (``shards``, the
     rank's shards of the call's Ray Data datasets, go back as the driver's datasets)."""
     started = time.time()  # files the call writes are newer
-    get_outbox().open(payload.call_id)
+    if get_outbox().call_id != payload.call_id:  # opened by run_on_worker, before the imports
+        get_outbox().open(payload.call_id)
     payload.global_state.restore()
     if payload.trainer is None:  # a plain function: nothing to prepare or bring back
         try:
