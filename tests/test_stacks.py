@@ -236,6 +236,9 @@ def test_a_rank_that_only_looks_silent_is_asked_before_the_timeout_fails_the_cal
     monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
     monkeypatch.setattr(ray, "get", unreachable)
     inbox._take_answers(timeout_s=0.0, run_calls=False)
+    inbox._check(inbox._now())  # one failed poll (a worker briefly unavailable): asked again
+    assert 8 in inbox._asked
+    inbox._failing_since[8] -= 6.0  # its polls failed for 6 s
     with pytest.raises(WorkerTimeoutError, match="rank 8"):
         inbox._check(inbox._now())
 
@@ -294,9 +297,15 @@ def test_the_news_question_waits_for_its_call_and_answers_what_cannot_wait():
     def answer(outbox: Outbox, call_id: str, items_after_s: float = 0.2) -> list[bool]:
         got: list[bool] = []
         thread = threading.Thread(
-            target=lambda: got.append(outbox.wait_news(call_id, ("sigterm",), items_after_s))
+            target=lambda: got.append(outbox.wait_news(call_id, ("sigterm",), items_after_s)),
+            daemon=True,  # a failed assertion leaves no thread that pytest's exit waits for
         )
+        waiting = len(outbox._news._waiters)  # type: ignore[attr-defined]  (CPython's Condition)
         thread.start()
+        deadline = time.monotonic() + 2.0  # until the question waits, or answered at once
+        while not got and len(outbox._news._waiters) == waiting:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "the question neither waited nor answered"
+            time.sleep(0.005)
         return got
 
     def settle(got: list[bool], seconds: float = 2.0) -> list[bool]:
@@ -307,7 +316,6 @@ def test_the_news_question_waits_for_its_call_and_answers_what_cannot_wait():
 
     outbox = Outbox()
     got = answer(outbox, "b")  # asked before call b opens: waits for it
-    time.sleep(0.1)
     outbox.open("b")
     outbox.put_latest("progress", 3)  # no news
     time.sleep(0.1)
@@ -326,6 +334,27 @@ def test_the_news_question_waits_for_its_call_and_answers_what_cannot_wait():
     outbox.open("e")
     assert settle(answer(outbox, "b")) == [False]  # a question that came after b ended
     got = answer(outbox, "c")  # a question for a call that never opens here...
-    time.sleep(0.1)
     outbox.open("d")  # ...ends when another call opens
     assert settle(got) == [False]
+
+
+def test_a_sigterm_notice_put_while_the_worker_imports_is_the_calls_own(monkeypatch):
+    """The worker half opens its outbox under the attempt's id before it imports Lightning and
+    unpickles the Trainer (seconds on a new worker): a notice put meanwhile is this call's."""
+    from ray_lightning_sgd._boundary.channels import SIGTERM_NOTICE
+    from ray_lightning_sgd._worker import entry
+    from ray_lightning_sgd._worker_group.outbox import get_outbox
+
+    class Imported(Exception):
+        pass
+
+    def importing(imports) -> None:  # SIGTERM's handler puts the notice while imports run
+        get_outbox().put_latest(SIGTERM_NOTICE, 4321)
+        raise Imported
+
+    get_outbox().open("an earlier call")
+    monkeypatch.setattr(entry, "_freeze_what_imports_built", importing)
+    with pytest.raises(Imported):
+        entry.run_on_worker(None, ("lightning",), (), "call-7")  # type: ignore[arg-type]
+    mail = get_outbox().take()
+    assert mail.call_id == "call-7" and mail.latest[SIGTERM_NOTICE] == 4321

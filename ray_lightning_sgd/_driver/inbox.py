@@ -74,7 +74,8 @@ OTHER_RANKS_INTERVAL_S = 0.5
 #: other rank is asked every ``(workers - 1) / OTHER_RANKS_PER_S`` seconds (what cannot wait comes
 #: through the standing ``news`` question).
 OTHER_RANKS_PER_S = 10.0
-#: A poll unanswered for this long shows a silent rank as silent (its worker cannot answer).
+#: A poll unanswered (or polls failing) for this long show a silent rank as silent (its worker
+#: cannot answer).
 _UNANSWERED_S = 5.0
 #: How long after a news question failed (a worker briefly unreachable) it is put again.
 _NEWS_RETRY_S = 1.0
@@ -134,6 +135,7 @@ class RunInbox:
         # when each rank was last asked, and last answered (the silences' clock)
         self._asked_at: dict[int, float] = {}
         self._answered_at: dict[int, float] = {}
+        self._failing_since: dict[int, float] = {}  # since when each rank's polls fail
         # the standing news questions (one per rank other than 0), the ranks whose answer came
         # (with the attempt they belong to; appended by Ray's callback thread), and the ranks
         # to ask again once their poll's answer arrived
@@ -161,6 +163,7 @@ class RunInbox:
         now = self._now()
         self._group, self._call_id = group, call_id
         self._asked, self._asked_at, self._answered_at = {}, {}, {}
+        self._failing_since = {}
         self._attempt += 1
         self._news, self._ask_news_again, self._news_retry = {}, set(), {}
         self._news_came.clear()
@@ -340,15 +343,16 @@ class RunInbox:
             try:
                 mail = ray.get(ref)
             except ray.exceptions.RayError:
-                # a lost worker: the wait for the call's results reports it; an answer all the
-                # same for a silence (it shows no progress)
-                self._answered_at[rank] = self._now()
+                # a lost worker: the wait for the call's results reports it; polls that fail
+                # for long count as unanswered ones for a silence
+                self._failing_since.setdefault(rank, self._now())
                 continue
             self._deliver(rank, mail, run_calls)
 
     def _deliver(self, rank: int, mail: Mail, run_calls: bool) -> None:
         # an answer shows the rank as it is now, even before its call began there
         self._answered_at[rank] = self._now()
+        self._failing_since.pop(rank, None)
         if mail.call_id != self._call_id:
             return  # a warm worker's previous call, or this one not yet begun
         lines = mail.items.get(OUTPUT)
@@ -414,9 +418,12 @@ class RunInbox:
             if now - at <= timeout:
                 continue
             # what the driver knows may be old (a large group's ranks are asked seldom): only
-            # an answer that shows the silence, or a poll left unanswered, ends the call
+            # an answer that shows the silence, or polls unanswered or failing for
+            # _UNANSWERED_S, end the call
             known_at = self._answered_at.get(rank, -math.inf)
             if rank in self._asked and now - self._asked_at.get(rank, now) > _UNANSWERED_S:
+                known_at = now
+            if now - self._failing_since.get(rank, now) > _UNANSWERED_S:
                 known_at = now
             if known_at - at > timeout:
                 quiet.append((rank, now - at))

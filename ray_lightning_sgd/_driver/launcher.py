@@ -81,8 +81,9 @@ class RayLauncherBase(_Base):
     """
 
     #: The worker half: what each worker runs (the packed payload, the modules to import first,
-    #: the Ray Data splits, the attempt's id) and returns (its packed :class:`~ray_lightning_sgd._boundary.results.WorkerOutput`); each
-    #: namespace's ``RayLauncher`` names :func:`ray_lightning_sgd._worker.entry.run_on_worker`.
+    #: the Ray Data splits, the attempt's id) and returns (its packed
+    #: :class:`~ray_lightning_sgd._boundary.results.WorkerOutput`); each namespace's
+    #: ``RayLauncher`` names :func:`ray_lightning_sgd._worker.entry.run_on_worker`.
     worker_half: ClassVar[
         staticmethod[[Packed, Sequence[str], Sequence[DatasetSplit], str], Packed]
     ]

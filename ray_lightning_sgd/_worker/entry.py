@@ -89,10 +89,7 @@ class _BatchIndexRecorderBase:
 
 
 def run_on_worker(
-    packed: Packed,
-    imports: Sequence[str] = (),
-    splits: Sequence[DatasetSplit] = (),
-    call_id: str = "",
+    packed: Packed, imports: Sequence[str], splits: Sequence[DatasetSplit], call_id: str
 ) -> Packed:
     """Runs on each worker. Runs the entry point under the assigned rank and collects results.
 
@@ -102,8 +99,7 @@ def run_on_worker(
     shard of each takes the dataset's place. ``call_id``: the attempt's id, under which the
     outbox opens first thing (a SIGTERM while the imports run is this call's notice).
     """
-    if call_id:
-        get_outbox().open(call_id)
+    get_outbox().open(call_id)
     _freeze_what_imports_built(imports)
     rank = get_worker_context().rank.global_rank
     shards = tuple(each.shard(rank) for each in splits)
