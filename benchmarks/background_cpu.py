@@ -25,27 +25,11 @@ import time
 
 import pytorch_lightning as pl
 import torch
-from torch import nn
+from bench import MLP  # the issue-30 workload's model: benchmarks/bench.py --layers 3
 from torch.utils.data import DataLoader, TensorDataset
 
 MODES = ("default", "nice0")
 FIRST, LAST, STEPS = 10, 150, 160
-
-
-class MLP(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        blocks: list[nn.Module] = []
-        for _ in range(3):
-            blocks += [nn.Linear(1024, 1024), nn.ReLU()]
-        self.net = nn.Sequential(*blocks, nn.Linear(1024, 10))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 class StepTimer(pl.Callback):
@@ -119,7 +103,7 @@ def run(mode: str) -> dict[str, float]:
         torch.randn(rows, 1024, generator=generator),
         torch.randint(0, 10, (rows,), generator=generator),
     )
-    trainer.fit(MLP(), DataLoader(data, batch_size=128))
+    trainer.fit(MLP(features=1024, hidden=1024, layers=3), DataLoader(data, batch_size=128))
     (start, before), (end, after) = meter.marks[FIRST], meter.marks[LAST]
     seconds = end - start
     figures: dict[str, float] = {"step_ms": json.load(open(out)) * 1000}

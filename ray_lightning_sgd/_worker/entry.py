@@ -146,9 +146,7 @@ def _freeze_what_imports_built(imports: Sequence[str]) -> None:
 def _run_payload(payload: Payload, shards: tuple[DatasetShard, ...] = ()) -> WorkerOutput:
     """Runs on each worker: the call, prepared, run and its results collected (``shards``, the
     rank's shards of the call's Ray Data datasets, go back as the driver's datasets)."""
-    started = time.time()  # files the call writes are newer
-    if get_outbox().call_id != payload.call_id:  # opened by run_on_worker, before the imports
-        get_outbox().open(payload.call_id)
+    started = time.time()  # files the call writes are newer (run_on_worker opened the outbox)
     payload.global_state.restore()
     if payload.trainer is None:  # a plain function: nothing to prepare or bring back
         try:

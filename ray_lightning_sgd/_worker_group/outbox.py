@@ -66,11 +66,6 @@ class Outbox:
         # channel -> the highest number the driver acknowledged holding
         self._acknowledged: dict[str, int] = {}
 
-    @property
-    def call_id(self) -> str:
-        """The id of the call that opened the outbox last ("" before any)."""
-        return self._call_id
-
     def open(self, call_id: str) -> None:
         """Empties the outbox for a new call."""
         with self._lock:
