@@ -22,26 +22,30 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ray_lightning_sgd import registry as _registry
-from ray_lightning_sgd.backend import Backend, BackendConfig
-from ray_lightning_sgd.exceptions import (
-    ClusterConnectionError,
-    ConfigurationError,
-    RaySGDError,
-    ResourcesUnavailableError,
-    SerializationError,
-    WorkerDiedError,
-    WorkerGroupError,
-    WorkerTimeoutError,
-)
-from ray_lightning_sgd.executor import BackendExecutor
-from ray_lightning_sgd.ranks import WorkerMetadata, WorkerRank
-from ray_lightning_sgd.worker_group import (
-    WorkerContext,
-    WorkerGroup,
-    WorkerGroupConfig,
-    get_worker_context,
-)
+from ray_lightning_sgd._worker_group.imports import collector_paused as _collector_paused
+
+# this package imports torch: a new worker process does so first, as it loads its actor class
+with _collector_paused():
+    from ray_lightning_sgd import registry as _registry
+    from ray_lightning_sgd.backend import Backend, BackendConfig
+    from ray_lightning_sgd.exceptions import (
+        ClusterConnectionError,
+        ConfigurationError,
+        RaySGDError,
+        ResourcesUnavailableError,
+        SerializationError,
+        WorkerDiedError,
+        WorkerGroupError,
+        WorkerTimeoutError,
+    )
+    from ray_lightning_sgd.executor import BackendExecutor
+    from ray_lightning_sgd.ranks import WorkerMetadata, WorkerRank
+    from ray_lightning_sgd.worker_group import (
+        WorkerContext,
+        WorkerGroup,
+        WorkerGroupConfig,
+        get_worker_context,
+    )
 
 if TYPE_CHECKING:
     from ray_lightning_sgd._executor.pool import shutdown as shutdown_workers

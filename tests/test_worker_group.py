@@ -287,3 +287,44 @@ def test_the_preemption_watch_ends_with_each_call():
         assert worker.execute(lambda: preemption.grace_s) == 0.0
     finally:
         preemption.grace_s = 0.0
+
+
+def test_workers_import_with_the_collector_paused_and_restored(tmp_path, monkeypatch):
+    """What a new worker imports (torch, Lightning) runs with the cyclic collector paused, which
+    runs again afterwards as it did before: paused only if it was."""
+    import gc
+
+    from ray_lightning_sgd._worker_group.imports import import_modules
+
+    module = tmp_path / "records_the_collector.py"
+    module.write_text("import gc\nCOLLECTING = gc.isenabled()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert gc.isenabled()
+    import_modules(["records_the_collector"])
+    assert sys.modules["records_the_collector"].COLLECTING is False
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        del sys.modules["records_the_collector"]
+        import_modules(["records_the_collector"])
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()
+        sys.modules.pop("records_the_collector", None)
+    with pytest.raises(ModuleNotFoundError):
+        import_modules(["no_such_module_here"])
+    assert gc.isenabled()  # also after a failed import
+    # the package itself, which a new worker imports first (torch with it), does the same
+    probe = (
+        "import gc, builtins\n"
+        "real = builtins.__import__\n"
+        "seen = []\n"
+        "def spy(name, *a, **k):\n"
+        "    if name == 'torch' and not seen: seen.append(gc.isenabled())\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = spy\n"
+        "import ray_lightning_sgd\n"
+        "print(seen, gc.isenabled())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["[False]", "True"], done.stdout + done.stderr

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib
 import logging
 import os
 import socket
@@ -57,6 +56,7 @@ from ray_lightning_sgd._worker.progress import ProgressReporterBase
 from ray_lightning_sgd._worker.resume import BatchStartBase, ResumeCheckpointBase, logger_versions
 from ray_lightning_sgd._worker.resume_from import forget, materialise, resolve_on_rank_zero
 from ray_lightning_sgd._worker_group.context import get_worker_context
+from ray_lightning_sgd._worker_group.imports import import_modules
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 if TYPE_CHECKING:
@@ -137,8 +137,7 @@ def _freeze_what_imports_built(imports: Sequence[str]) -> None:
     :mod:`ray_lightning_sgd._executor.pool`) and those the interpreter starts during training.
     Frozen, they are skipped; what calls make is still collected, as nothing later is frozen.
     """
-    for name in imports:
-        importlib.import_module(name)
+    import_modules(imports)  # with the collector paused, as new workers imported torch
     if not gc.get_freeze_count():
         gc.freeze()
 
