@@ -59,8 +59,9 @@ if TYPE_CHECKING:
 
 #: The names that belong to a Lightning namespace, resolved on first use.
 _FLAVOURED = ("RayEnvironment", "RayFSDPStrategy", "RayModelParallelStrategy", "RaySGDStrategy")
-#: Names whose modules import torch, resolved on first use: the package itself stays light for
-#: the processes that only need its configs and exceptions.
+#: Names resolved on first use (the package imports torch anyway, through its serialization):
+#: the backend's and the pool's modules, which the processes that only need the package's configs
+#: and exceptions do not load.
 _LAZY = {
     "TorchBackend": ("ray_lightning_sgd.torch_backend", "TorchBackend"),
     "TorchConfig": ("ray_lightning_sgd.torch_backend", "TorchConfig"),

@@ -326,5 +326,7 @@ def test_workers_import_with_the_collector_paused_and_restored(tmp_path, monkeyp
         "import ray_lightning_sgd\n"
         "print(seen, gc.isenabled())\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
     assert done.stdout.split() == ["[False]", "True"], done.stdout + done.stderr
