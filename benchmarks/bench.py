@@ -121,10 +121,17 @@ class Timer(pl.Callback):
         record = {
             "first_batch": self.first_batch,
             "step": statistics.median(steps) if steps else float("nan"),
+            # the raw lines only: a transient in the first steps shows as the halves differ
+            "step_first_half": _median_or_nan(steps[: len(steps) // 2]),
+            "step_second_half": _median_or_nan(steps[len(steps) // 2 :]),
             "fit_end": time.time(),
             "maxrss_mb": _maxrss_mb(),
         }
         Path(f"{self.out}.rank{trainer.global_rank}").write_text(json.dumps(record))
+
+
+def _median_or_nan(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def _maxrss_mb() -> float:
@@ -345,6 +352,8 @@ def _one_run(mode: str) -> dict[str, float]:
     return {
         "start": rank0["first_batch"] - driver["call"],
         "step": rank0["step"],
+        "step_first_half": rank0["step_first_half"],
+        "step_second_half": rank0["step_second_half"],
         "call": driver["returned"] - driver["call"],
         "back": driver["returned"] - rank0["fit_end"],
         "driver_mb": driver["maxrss_mb"],
