@@ -67,7 +67,7 @@ class _GroupWhoseWorkerCannotJoin:
     def __len__(self) -> int:
         return 2
 
-    def execute(self, fn, *args):
+    def execute(self, fn):
         return [None, None]
 
     def execute_single(self, index, fn):

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from ray_lightning_sgd._backend.base import Backend, BackendConfig
 from ray_lightning_sgd._worker_group.config import seconds_problem
 from ray_lightning_sgd._worker_group.group import WorkerGroup
-from ray_lightning_sgd._worker_group.imports import import_modules
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, WorkerRank
 from ray_lightning_sgd.exceptions import ConfigurationError, WorkerTimeoutError
 
@@ -34,9 +33,6 @@ JOIN_FLOOR_S = 300.0
 BACKENDS = ("gloo", "nccl")
 INIT_METHODS = ("env", "tcp")
 _SHUTDOWN_WAIT_S = 10.0
-#: What every worker imports before its process group starts: torch, and this module, whose
-#: functions the workers run next.
-_WORKER_IMPORTS = ("torch", "torch.distributed", __name__)
 
 
 @dataclass(frozen=True)
@@ -93,7 +89,7 @@ class TorchBackend(Backend):
         if backend == "nccl":
             check_one_rank_per_gpu(worker_group.metadata)
         # every worker imports torch now, at once; else each would on its first call, one by one
-        worker_group.execute(import_modules, _WORKER_IMPORTS)
+        worker_group.execute(_imported)
         address, port = worker_group.execute_single(0, _rendezvous_address)
         log.debug(
             "Joining %d workers to a %s process group at %s:%d",
@@ -169,6 +165,10 @@ def check_one_rank_per_gpu(metadata: Sequence[WorkerMetadata]) -> None:
             "GPU (use_gpu=True, or resources_per_worker={'GPU': 1}), or keep the fractions and "
             "use gloo: backend_config=TorchConfig(backend='gloo')"
         )
+
+
+def _imported() -> None:
+    """Runs on each worker. Nothing: unpickling it imports this module, and torch with it."""
 
 
 def _rendezvous_address() -> tuple[str, int]:
