@@ -120,7 +120,7 @@ class Timer(pl.Callback):
         ]
         record = {
             "first_batch": self.first_batch,
-            "step": statistics.median(steps) if steps else float("nan"),
+            "step": _median_or_nan(steps),
             # the raw lines only: a transient in the first steps shows as the halves differ
             "step_first_half": _median_or_nan(steps[: len(steps) // 2]),
             "step_second_half": _median_or_nan(steps[len(steps) // 2 :]),
