@@ -76,7 +76,13 @@ def test_constructors_touch_no_ray_state():
     assert "initialized False" in out.stdout, out.stderr[-2000:]
 
 
-def test_execute_runs_everywhere_in_rank_order(free_cluster):
+def test_execute_runs_everywhere_in_rank_order_and_errors_name_their_rank(free_cluster):
+    # Ray's errors for a lost object (its node left before the driver fetched it) name no actor;
+    # the rank comes from the task that made the object
+    from ray.exceptions import ObjectLostError
+
+    from ray_lightning_sgd._worker_group.errors import actor_of, translate
+
     group = WorkerGroup(WorkerGroupConfig(num_workers=2, worker_env={"MY_FLAG": "on"}))
     group.start()
     try:
@@ -93,38 +99,8 @@ def test_execute_runs_everywhere_in_rank_order(free_cluster):
         )
         assert ray.get(group.execute_single_async(0, sum, [1, 2])) == 3
         assert leftovers()[0], "the workers are named actors while they run"
-    finally:
-        group.shutdown()
-    assert leftovers() == ([], [])
-    with pytest.raises(WorkerGroupError, match="shut down"):
-        group.execute(_context)
 
-
-def test_a_failing_rank_reaches_the_driver_at_once(free_cluster):
-    group = WorkerGroup(WorkerGroupConfig(num_workers=2))
-    group.start()
-    try:
-        start = time.monotonic()
-        with pytest.raises(KeyError, match="only on one rank") as info:
-            group.execute(_boom, 1)
-        assert time.monotonic() - start < 20
-        note = "\n".join(info.value.__notes__)
-        assert "Raised on rank 1" in note
-        assert "_boom" in note, "the worker's traceback is attached"
-    finally:
-        group.shutdown()
-
-
-def test_a_lost_result_names_the_rank_that_made_it(free_cluster):
-    # Ray's errors for a lost object (its node left before the driver fetched it) name no actor;
-    # the rank comes from the task that made the object
-    from ray.exceptions import ObjectLostError
-
-    from ray_lightning_sgd._worker_group.errors import actor_of, translate
-
-    group = WorkerGroup(WorkerGroupConfig(num_workers=2))
-    group.start()
-    try:
+        # a lost result names the rank that made it
         ref = group.execute_single_async(1, _env, "PATH")
         err = translate(ObjectLostError(ref.hex(), "", ""), group.metadata, actor_of(ref))
         assert isinstance(err, WorkerDiedError) and err.rank == 1
@@ -135,8 +111,21 @@ def test_a_lost_result_names_the_rank_that_made_it(free_cluster):
             translate(ObjectLostError(plain.hex(), "", ""), group.metadata, actor_of(plain)).rank
             == -1
         )
+
+        # a failing rank reaches the driver at once (rank 0 still runs: last), with the
+        # worker's traceback
+        start = time.monotonic()
+        with pytest.raises(KeyError, match="only on one rank") as info:
+            group.execute(_boom, 1)
+        assert time.monotonic() - start < 20
+        note = "\n".join(info.value.__notes__)
+        assert "Raised on rank 1" in note
+        assert "_boom" in note, "the worker's traceback is attached"
     finally:
         group.shutdown()
+    assert leftovers() == ([], [])
+    with pytest.raises(WorkerGroupError, match="shut down"):
+        group.execute(_context)
 
 
 def test_gpus_are_shared_per_node_and_picked_by_position(free_cluster):
