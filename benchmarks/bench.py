@@ -24,6 +24,7 @@ with a large in-memory dataset to 1 and to 4 warm workers.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -34,10 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+#: Lightning's namespace for a run: ``pytorch_lightning``, or ``lightning.pytorch`` for
+#: ``ray_train``, whose RayDDPStrategy is built on ``lightning`` where that is installed.
+LIGHTNING = os.environ.get("BENCH_LIGHTNING", "pytorch_lightning")
+pl = importlib.import_module(LIGHTNING)
 
 MODES = (
     "single",
@@ -232,10 +237,8 @@ def run_mode(mode: str, out: str) -> None:
             strategy, ranks = mode, WORKERS
         kwargs = _trainer_kwargs(out)
         if bar:
-            from pytorch_lightning.callbacks import TQDMProgressBar
-
             kwargs["enable_progress_bar"] = True
-            kwargs["callbacks"] = [*kwargs["callbacks"], TQDMProgressBar()]
+            kwargs["callbacks"] = [*kwargs["callbacks"], pl.callbacks.TQDMProgressBar()]
         if mode in ("ddp", "ddp_spawn"):
             kwargs["devices"] = WORKERS
         pl.seed_everything(0)
@@ -340,7 +343,12 @@ def _one_run(mode: str) -> dict[str, float]:
     subprocess.run(
         [sys.executable, __file__, "--run", mode, "--out", out],
         check=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "BENCH_LIGHTNING": _ray_train_lightning() if mode == "ray_train" else LIGHTNING,
+        },
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -432,6 +440,12 @@ def main() -> None:
                 f"({s[f'start_big_{workers}_s']:.2f} - {s[f'start_tiny_{workers}_s']:.2f}), "
                 f"{s[f'ship_{workers}_s'] / s['ship_1_s']:.2f}x 1 worker"
             )
+
+
+def _ray_train_lightning() -> str:
+    """The namespace Ray Train's Lightning strategies are built on: ``lightning.pytorch`` where
+    ``lightning`` is installed (beside ``pytorch_lightning`` too), else ``pytorch_lightning``."""
+    return "lightning.pytorch" if importlib.util.find_spec("lightning") else "pytorch_lightning"
 
 
 def _has_ray_train() -> bool:
