@@ -35,6 +35,7 @@ from ray_lightning_sgd.data import RayDataLoader
 from ray_lightning_sgd.lightning import RayDataModule as LRayDataModule
 from ray_lightning_sgd.lightning import RaySGDStrategy as LRaySGDStrategy
 from tests.conftest import leftovers
+from tests.ray_data_steps import scaled
 
 #: Rows of each parquet file: uneven, and an odd total (the equal split drops one row a pass).
 FILE_ROWS = (301, 250, 170)
@@ -60,11 +61,6 @@ def parquet(tmp_path_factory) -> str:
         pq.write_table(table, folder / f"part-{i}.parquet")
         first += n
     return str(folder)
-
-
-def _preprocess(batch: dict) -> dict:
-    """The pipeline's map_batches step: stacks and scales the features."""
-    return {"x": np.stack(batch["x"]).astype(np.float32) * 0.5, "y": batch["y"], "id": batch["id"]}
 
 
 def _val_rows(n: int = 200) -> list[dict]:
@@ -193,7 +189,7 @@ def test_each_rank_streams_an_equal_share_of_every_pass_and_predict_reads_every_
 ):
     # free_cluster: no idle warm workers of earlier tests hold the CPUs that Ray Data's tasks
     # need (Ray 2.52's read_parquet samples the files with tasks as the dataset is made)
-    train = ray.data.read_parquet(parquet).map_batches(_preprocess)
+    train = ray.data.read_parquet(parquet).map_batches(scaled)
     val = ray.data.from_items(_val_rows())  # a row count Ray Data knows without running it
     _, objects_before = _data_state()  # from_items put the validation rows there
     model = Recorder(str(tmp_path), schedule=True)
