@@ -55,7 +55,7 @@ def start_local_ray() -> None:
 
 
 #: Fixtures that end the shared cluster and start clusters of their own.
-_OWN_CLUSTER_FIXTURES = ("nodes_with_own_folders", "two_nodes", "head_and_worker_node", "no_ray")
+_OWN_CLUSTER_FIXTURES = ("two_nodes", "head_and_worker_node", "no_ray")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

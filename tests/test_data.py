@@ -35,7 +35,7 @@ from ray_lightning_sgd.data import RayDataLoader
 from ray_lightning_sgd.lightning import RayDataModule as LRayDataModule
 from ray_lightning_sgd.lightning import RaySGDStrategy as LRaySGDStrategy
 from tests.conftest import leftovers
-from tests.ray_data_steps import scaled
+from tests.light_functions import scaled
 
 #: Rows of each parquet file: uneven, and an odd total (the equal split drops one row a pass).
 FILE_ROWS = (301, 250, 170)
