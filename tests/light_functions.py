@@ -2,15 +2,13 @@
 
 A Ray process imports the module of each function it runs: Ray Data's task workers for a
 pipeline's step, and a bare worker group's actors for ``execute``. A test module would bring
-torch and Lightning into each of them (5 CPU-seconds a process here); this one imports NumPy and
-the package's worker context only.
+torch and Lightning into each of them (5 CPU-seconds a process here); this one imports NumPy
+only, and each function what it needs (a Ray Data task has no use for torch).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from ray_lightning_sgd import get_worker_context
 
 
 def scaled(batch: dict) -> dict:
@@ -20,6 +18,8 @@ def scaled(batch: dict) -> dict:
 
 def where() -> tuple[str, int, int, int, int]:
     """On a worker: its node id, global rank, node rank, local rank and number of nodes."""
+    from ray_lightning_sgd import get_worker_context
+
     context = get_worker_context()
     rank = context.rank
     return (
