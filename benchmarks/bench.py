@@ -218,7 +218,7 @@ def run_mode(mode: str, out: str) -> None:
         trainer.fit()
     else:
         if mode.startswith("ray_sgd"):
-            from ray_lightning_sgd import RaySGDStrategy
+            RaySGDStrategy = _ray_sgd_strategy()
 
             ray_init = _init_ray()
             # max_preemptions=0: no resume checkpoint at a SIGTERM, so no notice exchange
@@ -257,7 +257,7 @@ def measure_transfer(params: int) -> dict[str, float]:
     """Times bringing a model of ``params`` parameters back: RaySGDStrategy against ray.get."""
     import ray
 
-    from ray_lightning_sgd import RaySGDStrategy
+    RaySGDStrategy = _ray_sgd_strategy()
 
     _init_ray()
     side = int((params / 10) ** 0.5)
@@ -302,7 +302,7 @@ def measure_transfer(params: int) -> dict[str, float]:
 def measure_shipping(megabytes: int) -> dict[str, float]:
     """Times the call to the first batch on 1, 2 and 4 warm workers, with a dataset of
     ``megabytes`` in memory and with a tiny one; the difference is what shipping the data costs."""
-    from ray_lightning_sgd import RaySGDStrategy
+    RaySGDStrategy = _ray_sgd_strategy()
 
     _init_ray()
     big = DataLoader(_data(megabytes * 2**20 // (FEATURES * 4)), batch_size=BATCH)
@@ -440,6 +440,12 @@ def main() -> None:
                 f"({s[f'start_big_{workers}_s']:.2f} - {s[f'start_tiny_{workers}_s']:.2f}), "
                 f"{s[f'ship_{workers}_s'] / s['ship_1_s']:.2f}x 1 worker"
             )
+
+
+def _ray_sgd_strategy() -> type:
+    """RaySGDStrategy of the run's Lightning namespace (``BENCH_LIGHTNING``)."""
+    flavour = "lightning" if LIGHTNING == "lightning.pytorch" else "pytorch_lightning"
+    return importlib.import_module(f"ray_lightning_sgd.{flavour}").RaySGDStrategy
 
 
 def _ray_train_lightning() -> str:

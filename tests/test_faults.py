@@ -307,8 +307,7 @@ def test_no_in_epoch_checkpoint_where_steps_would_not_resume_as_they_went_on():
 def test_a_resume_checkpoint_in_storage(ray_cluster, tmp_path, caplog):
     marker = str(tmp_path / "failed-once")
     storage = tmp_path / "resume"
-    # max_failures=-1: restarts without a limit
-    strategy = RaySGDStrategy(num_workers=2, max_failures=-1, checkpoint_storage=str(storage))
+    strategy = RaySGDStrategy(num_workers=2, max_failures=1, checkpoint_storage=str(storage))
     logger = CSVLogger(tmp_path / "logs")
     pl.seed_everything(0)
     trainer = _trainer(strategy, logger=logger, log_every_n_steps=1)
@@ -317,7 +316,7 @@ def test_a_resume_checkpoint_in_storage(ray_cluster, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
         trainer.fit(model, loader(shuffle=True), loader(n=32))
     assert trainer.global_step == 18
-    assert "Restart 1 (no limit) after a worker failure" in caplog.text, caplog.text
+    assert "Restart 1 (of max_failures=1) after a worker failure" in caplog.text, caplog.text
     assert "fit resumes after epoch 0 (global step 6)" in caplog.text
     # the weights the restarted attempt trained are the driver's
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -412,3 +411,19 @@ def test_repeated_calls_leave_nothing_behind(ray_cluster):
 def test_bad_failure_settings_fail_in_the_constructor(kwargs, message):
     with pytest.raises(ConfigurationError, match=message):
         RaySGDStrategy(num_workers=2, **kwargs)
+
+
+def test_a_restart_before_any_checkpoint_starts_over_and_its_weights_are_the_drivers(
+    ray_cluster, tmp_path, caplog
+):
+    # rank 1 exits at step 2, in epoch 0: no resume checkpoint yet; max_failures=-1, no limit
+    marker = str(tmp_path / "failed-once")
+    model = Faulty(rank=1, step=2, marker=marker)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        trainer = _fit(model, RaySGDStrategy(num_workers=2, max_failures=-1), max_epochs=1)
+    assert os.path.exists(marker), "the failure was not injected"
+    assert "Restart 1 (no limit) after a worker failure" in caplog.text, caplog.text
+    assert "fit starts over: no resume checkpoint was written yet" in caplog.text
+    assert trainer.global_step == 6
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
