@@ -451,6 +451,45 @@ def test_a_restarted_attempt_killed_leaves_no_copy_of_its_checkpoint(ray_cluster
     assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
 
 
+def test_a_named_run_resumes_past_a_damaged_checkpoint_as_if_never_stopped(
+    ray_cluster, tmp_path, caplog
+):
+    before = _temp_files()
+    pl.seed_everything(0)
+    reference = TinyModel()
+    _fit(reference, RaySGDStrategy(num_workers=2), max_epochs=2)
+
+    storage = tmp_path / "runs"
+
+    def strategy() -> RaySGDStrategy:
+        return RaySGDStrategy(num_workers=2, checkpoint_storage=str(storage), run_name="r")
+
+    pl.seed_everything(0)
+    _fit(TinyModel(), strategy(), max_epochs=1)  # leaves epoch 0's checkpoint
+    folder = storage / "r"
+    epoch_0 = folder / checkpoint_name(0, 6)
+    damaged = folder / checkpoint_name(1, 12)
+    damaged.write_bytes(epoch_0.read_bytes()[:-100])  # epoch 1's, cut short by a full disk
+    shutil.copy(epoch_0, folder / _files.temp_name(checkpoint_name(1, 12), unique=False))
+    pl.seed_everything(0)
+    model = TinyModel()
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        trainer = _fit(model, strategy(), max_epochs=2)
+    assert f"{damaged} is damaged" in caplog.text
+    assert trainer.global_step == 12
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-6, rtol=0)
+    # the damaged file was overwritten by the resumed epoch 1's; no temporary file stays
+    assert _names(folder) == [
+        ".driver.lock",
+        checkpoint_name(0, 6),
+        checkpoint_name(1, 12),
+        "run.json",
+    ]
+    assert resume_points.checkpoint_problem(str(damaged)) is None
+    assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
+
+
 def _dies_before_the_driver_holds_epoch_1s_point() -> None:
     """An init_hook (runs on every worker as it starts): rank 0 exits, once, when epoch 1's
     resume checkpoint is renamed into place and it waits for the driver to take it (the window
@@ -502,45 +541,6 @@ def test_rank_0_killed_before_the_driver_holds_a_checkpoint_resumes_from_the_one
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, atol=1e-6, rtol=0)
     assert _temp_files() - before == set()
-
-
-def test_a_named_run_resumes_past_a_damaged_checkpoint_as_if_never_stopped(
-    ray_cluster, tmp_path, caplog
-):
-    before = _temp_files()
-    pl.seed_everything(0)
-    reference = TinyModel()
-    _fit(reference, RaySGDStrategy(num_workers=2), max_epochs=2)
-
-    storage = tmp_path / "runs"
-
-    def strategy() -> RaySGDStrategy:
-        return RaySGDStrategy(num_workers=2, checkpoint_storage=str(storage), run_name="r")
-
-    pl.seed_everything(0)
-    _fit(TinyModel(), strategy(), max_epochs=1)  # leaves epoch 0's checkpoint
-    folder = storage / "r"
-    epoch_0 = folder / checkpoint_name(0, 6)
-    damaged = folder / checkpoint_name(1, 12)
-    damaged.write_bytes(epoch_0.read_bytes()[:-100])  # epoch 1's, cut short by a full disk
-    shutil.copy(epoch_0, folder / _files.temp_name(checkpoint_name(1, 12), unique=False))
-    pl.seed_everything(0)
-    model = TinyModel()
-    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
-        trainer = _fit(model, strategy(), max_epochs=2)
-    assert f"{damaged} is damaged" in caplog.text
-    assert trainer.global_step == 12
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-6, rtol=0)
-    # the damaged file was overwritten by the resumed epoch 1's; no temporary file stays
-    assert _names(folder) == [
-        ".driver.lock",
-        checkpoint_name(0, 6),
-        checkpoint_name(1, 12),
-        "run.json",
-    ]
-    assert resume_points.checkpoint_problem(str(damaged)) is None
-    assert _temp_files() - before == set()  # nothing new stays (older leftovers may go)
 
 
 def test_a_resumed_one_cycle_schedule_that_ends_too_soon_is_said_at_once():

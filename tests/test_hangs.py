@@ -63,6 +63,39 @@ def test_a_collective_on_one_rank_only_is_reported_with_every_ranks_stack(ray_cl
     assert leftovers() == ([], [])
 
 
+class ShowsItsSettings(TinyModel):
+    """Prints, on each rank, what the debug switch sets."""
+
+    def on_train_start(self):
+        level = logging.getLogger(self.trainer.strategy.flavour.namespace).level
+        detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+        print(
+            f"rank {self.global_rank}: TORCH_DISTRIBUTED_DEBUG={detail}, Lightning's level {level}"
+        )
+
+
+def test_the_debug_switch_sets_every_rank_and_keeps_each_ranks_output_in_a_file(
+    ray_cluster, tmp_path
+):
+    strategy = RaySGDStrategy(
+        num_workers=2, debug=True, worker_env={"TORCH_CPP_LOG_LEVEL": "WARNING"}
+    )
+    assert strategy.worker_env["TORCH_CPP_LOG_LEVEL"] == "WARNING"  # worker_env wins
+    trainer = pl.Trainer(
+        strategy=strategy, max_epochs=1, accelerator="cpu", default_root_dir=str(tmp_path),
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    trainer.fit(ShowsItsSettings(), DataLoader(make_data(), batch_size=8))
+    files = sorted((tmp_path / "rank_logs").glob("*/rank-*.log"))
+    assert [f.name for f in files] == ["rank-0.log", "rank-1.log"]
+    for rank, file in enumerate(files):
+        text = file.read_text()
+        assert text.startswith("=== call ") and f"rank {rank} of 2 (node" in text.splitlines()[0]
+        # every line of the rank, also those the driver prints once for all ranks
+        level = distributed_debug_level()  # DETAIL, but INFO on torch 2.15 (DETAIL crashes DDP)
+        assert f"rank {rank}: TORCH_DISTRIBUTED_DEBUG={level}, Lightning's level 10" in text
+
+
 class SlowOnRankOne(Dataset):
     """make_data's samples; on rank 1, the 24th sample read (in its third batch) takes long."""
 
@@ -175,36 +208,3 @@ def test_a_rank_slowed_on_purpose_is_named_and_a_balanced_run_gives_no_warning(r
     balanced = fit(slow=False)  # the same workers, warm
     assert "is slower than" not in balanced, balanced
     assert "Step times by rank:" in balanced
-
-
-class ShowsItsSettings(TinyModel):
-    """Prints, on each rank, what the debug switch sets."""
-
-    def on_train_start(self):
-        level = logging.getLogger(self.trainer.strategy.flavour.namespace).level
-        detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
-        print(
-            f"rank {self.global_rank}: TORCH_DISTRIBUTED_DEBUG={detail}, Lightning's level {level}"
-        )
-
-
-def test_the_debug_switch_sets_every_rank_and_keeps_each_ranks_output_in_a_file(
-    ray_cluster, tmp_path
-):
-    strategy = RaySGDStrategy(
-        num_workers=2, debug=True, worker_env={"TORCH_CPP_LOG_LEVEL": "WARNING"}
-    )
-    assert strategy.worker_env["TORCH_CPP_LOG_LEVEL"] == "WARNING"  # worker_env wins
-    trainer = pl.Trainer(
-        strategy=strategy, max_epochs=1, accelerator="cpu", default_root_dir=str(tmp_path),
-        **quiet_trainer_kwargs(),
-    )  # fmt: skip
-    trainer.fit(ShowsItsSettings(), DataLoader(make_data(), batch_size=8))
-    files = sorted((tmp_path / "rank_logs").glob("*/rank-*.log"))
-    assert [f.name for f in files] == ["rank-0.log", "rank-1.log"]
-    for rank, file in enumerate(files):
-        text = file.read_text()
-        assert text.startswith("=== call ") and f"rank {rank} of 2 (node" in text.splitlines()[0]
-        # every line of the rank, also those the driver prints once for all ranks
-        level = distributed_debug_level()  # DETAIL, but INFO on torch 2.15 (DETAIL crashes DDP)
-        assert f"rank {rank}: TORCH_DISTRIBUTED_DEBUG={level}, Lightning's level 10" in text

@@ -25,6 +25,10 @@ def _pid(trainer: pl.Trainer) -> int:
     return int(trainer.callback_metrics["pid"].item())
 
 
+def _namespace() -> str:
+    return ray.get_runtime_context().namespace
+
+
 def test_fit_validate_test_predict_share_one_worker_group(ray_cluster):
     model = PidModel()
     trainer = _trainer(RaySGDStrategy(num_workers=2))
@@ -48,35 +52,6 @@ def test_a_new_trainer_with_equal_settings_reuses_the_workers(ray_cluster):
     second.fit(PidModel(), loader())
     assert _pid(first) == _pid(second)
     assert len(pool.idle_group_names()) == 1
-
-
-def test_warm_workers_train_exactly_as_new_ones(ray_cluster):
-    def fit(reuse: bool) -> dict[str, torch.Tensor]:
-        pl.seed_everything(3)
-        model = TinyModel()
-        _trainer(RaySGDStrategy(num_workers=2, reuse_workers=reuse), max_epochs=2).fit(
-            model, loader(shuffle=True)
-        )
-        return model.state_dict()
-
-    cold = fit(reuse=False)
-    assert leftovers() == ([], []), "reuse_workers=False stops the workers after the call"
-    warm_first, warm_second = fit(reuse=True), fit(reuse=True)
-    for key in cold:
-        torch.testing.assert_close(warm_first[key], cold[key], atol=1e-6, rtol=0)
-        torch.testing.assert_close(warm_second[key], cold[key], atol=1e-6, rtol=0)
-
-
-def test_a_failed_call_does_not_return_its_workers(ray_cluster):
-    trainer = _trainer(RaySGDStrategy(num_workers=2))
-    trainer.fit(PidModel(), loader())
-    before = _pid(trainer)
-    with pytest.raises(ValueError, match="injected failure"):
-        _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(fail_on_rank=0), loader())
-    assert pool.idle_group_names() == [] and leftovers() == ([], [])
-    trainer = _trainer(RaySGDStrategy(num_workers=2))
-    trainer.fit(PidModel(), loader())
-    assert _pid(trainer) != before, "new workers after the failure"
 
 
 def test_other_settings_free_the_idle_workers_first(ray_cluster):
@@ -103,26 +78,16 @@ def test_an_idle_worker_that_died_is_replaced(ray_cluster):
     assert pool.idle_group_names() != [name]
 
 
-def test_ways_to_release_the_workers(ray_cluster):
-    with RaySGDStrategy(num_workers=2) as strategy:
-        _trainer(strategy).fit(TinyModel(), loader())
-        assert len(pool.idle_group_names()) == 1
-    assert leftovers() == ([], []), "leaving the with-block stops the workers"
-
-    strategy = RaySGDStrategy(num_workers=2)
-    _trainer(strategy).fit(TinyModel(), loader())
-    RaySGDStrategy(num_workers=1).shutdown_workers()
-    assert len(pool.idle_group_names()) == 1, "another configuration's release leaves them"
-    strategy.shutdown_workers()
-    assert leftovers() == ([], [])
-
-    _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(), loader())
-    assert ray_lightning_sgd.shutdown_workers() == 1
-    assert leftovers() == ([], [])
-
-
-def _namespace() -> str:
-    return ray.get_runtime_context().namespace
+def test_a_failed_call_does_not_return_its_workers(ray_cluster):
+    trainer = _trainer(RaySGDStrategy(num_workers=2))
+    trainer.fit(PidModel(), loader())
+    before = _pid(trainer)
+    with pytest.raises(ValueError, match="injected failure"):
+        _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(fail_on_rank=0), loader())
+    assert pool.idle_group_names() == [] and leftovers() == ([], [])
+    trainer = _trainer(RaySGDStrategy(num_workers=2))
+    trainer.fit(PidModel(), loader())
+    assert _pid(trainer) != before, "new workers after the failure"
 
 
 def test_an_interrupt_while_choosing_warm_workers_leaks_nothing(ray_cluster, monkeypatch):
@@ -141,6 +106,27 @@ def test_an_interrupt_while_choosing_warm_workers_leaks_nothing(ray_cluster, mon
         pool.acquire(strategy.backend_config, strategy.worker_group_config)
     assert pool.idle_group_names() == []
     assert leftovers() == ([], []), "the idle group taken out of the pool was left running"
+
+
+def _objects_of_finished_calls() -> dict[str, int]:
+    """Runs on each worker: the Trainers and models alive anywhere, frozen ones included."""
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()  # get_objects() leaves out the frozen generation
+    try:
+        names = [type(o).__name__ for o in gc.get_objects()]
+    finally:
+        if frozen:
+            gc.freeze()
+    return {name: names.count(name) for name in ("Trainer", "TinyModel")}
+
+
+def test_idle_workers_keep_nothing_of_a_finished_call(ray_cluster):
+    ray_lightning_sgd.shutdown_workers()  # new workers: the first call is their first (free here)
+    for _ in range(2):  # the first call freezes what the imports built, none of its own objects
+        _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(), loader())
+        [idle] = pool._idle
+        left = idle.executor.run(_objects_of_finished_calls)
+        assert left == [{"Trainer": 0, "TinyModel": 0}] * 2, left
 
 
 class _PoolWatcher(pl.Callback):
@@ -164,21 +150,36 @@ def test_the_pool_holds_the_workers_while_they_run_and_after(ray_cluster):
     assert pool.leased_group_names() == [] and pool.idle_group_names() == []
 
 
-def _objects_of_finished_calls() -> dict[str, int]:
-    """Runs on each worker: the Trainers and models alive anywhere, frozen ones included."""
-    frozen = gc.get_freeze_count()
-    gc.unfreeze()  # get_objects() leaves out the frozen generation
-    try:
-        names = [type(o).__name__ for o in gc.get_objects()]
-    finally:
-        if frozen:
-            gc.freeze()
-    return {name: names.count(name) for name in ("Trainer", "TinyModel")}
+def test_warm_workers_train_exactly_as_new_ones(ray_cluster):
+    def fit(reuse: bool) -> dict[str, torch.Tensor]:
+        pl.seed_everything(3)
+        model = TinyModel()
+        _trainer(RaySGDStrategy(num_workers=2, reuse_workers=reuse), max_epochs=2).fit(
+            model, loader(shuffle=True)
+        )
+        return model.state_dict()
+
+    cold = fit(reuse=False)
+    assert leftovers() == ([], []), "reuse_workers=False stops the workers after the call"
+    warm_first, warm_second = fit(reuse=True), fit(reuse=True)
+    for key in cold:
+        torch.testing.assert_close(warm_first[key], cold[key], atol=1e-6, rtol=0)
+        torch.testing.assert_close(warm_second[key], cold[key], atol=1e-6, rtol=0)
 
 
-def test_idle_workers_keep_nothing_of_a_finished_call(ray_cluster):
-    for _ in range(2):  # the first call freezes what the imports built, none of its own objects
-        _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(), loader())
-        [idle] = pool._idle
-        left = idle.executor.run(_objects_of_finished_calls)
-        assert left == [{"Trainer": 0, "TinyModel": 0}] * 2, left
+def test_ways_to_release_the_workers(ray_cluster):
+    with RaySGDStrategy(num_workers=2) as strategy:
+        _trainer(strategy).fit(TinyModel(), loader())
+        assert len(pool.idle_group_names()) == 1
+    assert leftovers() == ([], []), "leaving the with-block stops the workers"
+
+    strategy = RaySGDStrategy(num_workers=2)
+    _trainer(strategy).fit(TinyModel(), loader())
+    RaySGDStrategy(num_workers=1).shutdown_workers()
+    assert len(pool.idle_group_names()) == 1, "another configuration's release leaves them"
+    strategy.shutdown_workers()
+    assert leftovers() == ([], [])
+
+    _trainer(RaySGDStrategy(num_workers=2)).fit(TinyModel(), loader())
+    assert ray_lightning_sgd.shutdown_workers() == 1
+    assert leftovers() == ([], [])
