@@ -63,3 +63,20 @@ def test_a_waiting_writer_wakes_when_the_driver_polls_again():
     writer.join(timeout=10)
     assert delivered == [True]
     assert time.monotonic() - started < 5
+
+
+def test_a_writer_waiting_for_a_value_wakes_when_a_later_one_replaces_it():
+    outbox = Outbox()
+    outbox.open("call")
+    sequence = outbox.put_latest("resume", b"epoch 0")
+    delivered: list[bool] = []
+    writer = threading.Thread(
+        target=lambda: delivered.append(outbox.wait_delivered("resume", sequence, timeout_s=10))
+    )
+    writer.start()
+    time.sleep(0.1)  # the writer waits
+    started = time.monotonic()
+    outbox.put_latest("resume", b"epoch 1")  # no poll: only the replacement can wake it
+    writer.join(timeout=10)
+    assert delivered == [True]  # the value it waited for is no longer the one to deliver
+    assert time.monotonic() - started < 2

@@ -98,6 +98,7 @@ class Outbox:
         with self._lock:
             self._sequence += 1
             self._latest[channel] = (value, time.monotonic(), self._sequence, False)
+            self._lock.notify_all()  # a writer waiting for the value this one replaces
             if channel in self._urgent:
                 self._news.notify_all()
             return self._sequence
