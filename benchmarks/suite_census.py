@@ -8,6 +8,8 @@ file and for the slowest tests: wall seconds, the machine's idle core-seconds wh
 pool started and why it could not reuse the idle one, and the Python processes that appeared (Ray's
 workers, drivers in subprocesses) with the CPU seconds they used. A process is sampled every 0.2 s:
 one that lived less than that is missed, and a process's last fraction of a second is not counted.
+A process's CPU seconds all count for the test during which it appeared (a warm worker's later
+calls included), and idle core-seconds are the machine's: run it with nothing else running.
 
 What it showed (2026-12-06, the README's newest environment, 2 cores, the whole suite serially in
 about 12 minutes): the machine was idle a third of the time (the waits of fault, hang and node
@@ -34,6 +36,8 @@ _TICK = os.sysconf("SC_CLK_TCK")
 _ME = os.getpid()
 _current = {"test": "(collection)"}
 _procs: dict[int, dict[str, Any]] = {}
+#: Processes that were running when the session began (a CI harness, say): never counted.
+_before: set[int] = set()
 _rows: list[dict[str, Any]] = []
 _starts: list[dict[str, Any]] = []
 
@@ -57,6 +61,8 @@ def _sample() -> None:
             continue  # ended meanwhile
         cpu = (int(stat[11]) + int(stat[12])) / _TICK
         pid = int(entry)
+        if pid in _before:
+            continue
         known = _procs.get(pid)
         if known is None:
             if "python" not in command and not command.startswith("ray::"):
@@ -81,6 +87,8 @@ def _sampler() -> None:
 
 
 def _differences(a: Any, b: Any) -> list[str]:
+    if type(a) is not type(b):
+        return [f"class ({type(a).__name__}, not {type(b).__name__})"]
     return [
         f.name
         for f in dataclasses.fields(a)
@@ -115,6 +123,7 @@ def _counted_find_or_start(backend_config, worker_group_config, reuse):
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _before.update(int(entry) for entry in os.listdir("/proc") if entry.isdigit())
     pool._find_or_start = _counted_find_or_start
     threading.Thread(target=_sampler, daemon=True, name="suite-census").start()
 
