@@ -48,15 +48,24 @@ def test_a_value_is_delivered_once_the_driver_acknowledges_it():
     assert outbox.wait_delivered("resume", sequence, timeout_s=0.05)
 
 
-def test_a_waiting_writer_wakes_when_the_driver_polls_again():
+def _writer_waiting_for(
+    channel: str, value: bytes
+) -> tuple[Outbox, int, threading.Thread, list[bool]]:
+    """An outbox holding ``value`` and a started thread that waits (10 s at most) until it is
+    delivered; the list gets what the wait returned."""
     outbox = Outbox()
     outbox.open("call")
-    sequence = outbox.put_latest("resume", b"checkpoint")
+    sequence = outbox.put_latest(channel, value)
     delivered: list[bool] = []
     writer = threading.Thread(
-        target=lambda: delivered.append(outbox.wait_delivered("resume", sequence, timeout_s=10))
+        target=lambda: delivered.append(outbox.wait_delivered(channel, sequence, timeout_s=10))
     )
     writer.start()
+    return outbox, sequence, writer, delivered
+
+
+def test_a_waiting_writer_wakes_when_the_driver_polls_again():
+    outbox, sequence, writer, delivered = _writer_waiting_for("resume", b"checkpoint")
     started = time.monotonic()
     outbox.take()
     outbox.take(acknowledged={"resume": sequence})
@@ -66,14 +75,7 @@ def test_a_waiting_writer_wakes_when_the_driver_polls_again():
 
 
 def test_a_writer_waiting_for_a_value_wakes_when_a_later_one_replaces_it():
-    outbox = Outbox()
-    outbox.open("call")
-    sequence = outbox.put_latest("resume", b"epoch 0")
-    delivered: list[bool] = []
-    writer = threading.Thread(
-        target=lambda: delivered.append(outbox.wait_delivered("resume", sequence, timeout_s=10))
-    )
-    writer.start()
+    outbox, _, writer, delivered = _writer_waiting_for("resume", b"epoch 0")
     time.sleep(0.1)  # the writer waits
     started = time.monotonic()
     outbox.put_latest("resume", b"epoch 1")  # no poll: only the replacement can wake it
