@@ -25,7 +25,9 @@ RUNNING = object()
 class Script:
     """Attempts that follow a script: each entry is what one wait for an attempt gives."""
 
-    def __init__(self, *outcomes, resume_points=(), stop_error: Exception | None = None) -> None:
+    def __init__(
+        self, *outcomes, resume_points=(), stop_error: BaseException | None = None
+    ) -> None:
         self.outcomes = list(outcomes)
         self.resume_points = list(resume_points)
         self.stop_error = stop_error
@@ -291,8 +293,46 @@ def test_an_attempt_that_fails_once_its_workers_started_gives_them_back(monkeypa
     monkeypatch.setattr(launcher_module._scratch, "sweep", lambda wait_s=0.0: [])
     launcher = RayLauncher(RaySGDStrategy(num_workers=1))
     monkeypatch.setattr(launcher, "_start_executor", lambda: executor)
-    payload = SimpleNamespace(call_id="call-0", trainer=None)
+    payload = SimpleNamespace(call_id="call-0", trainer=None, resume_storage=None)
     with pytest.raises(KeyboardInterrupt):
         launcher._start_attempt(payload, Run(), None, None)  # type: ignore[arg-type]
     assert released == [(executor, False)], "workers of an attempt that never ran were kept"
     assert launcher._attempt is None
+
+
+def test_an_interrupt_while_an_attempts_datasets_close_still_gives_its_workers_back(monkeypatch):
+    """The launcher's stop of an attempt: a Ctrl-C while it ends the attempt's Ray Data splits
+    still sends its workers back to the pool, killed."""
+    from ray_lightning_sgd._driver import launcher as launcher_module
+    from ray_lightning_sgd._driver.run import Run
+    from ray_lightning_sgd.pytorch_lightning import RayLauncher, RaySGDStrategy
+
+    released: list[tuple[object, bool]] = []
+    monkeypatch.setattr(
+        launcher_module.pool, "release", lambda e, keep, graceful: released.append((e, keep))
+    )
+    monkeypatch.setattr(launcher_module._scratch, "sweep", lambda wait_s=0.0: [])
+
+    def close(splits) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher_module.datasets, "close", close)
+    launcher = RayLauncher(RaySGDStrategy(num_workers=1))
+    executor = object()
+    attempt = launcher_module._Attempt(executor, None, "call-0", splits=["split"])  # type: ignore[arg-type, list-item]
+    launcher._attempt = attempt
+    with pytest.raises(KeyboardInterrupt):
+        launcher._stop_attempt(attempt, succeeded=False, run=Run(), inbox=None)
+    assert released == [(executor, False)], "the workers of a stopped attempt stayed leased"
+    assert launcher._attempt is None and attempt.executor is None
+
+
+@pytest.mark.parametrize("outcome", ["result", RaySGDError("the call failed")])
+def test_an_interrupt_while_the_workers_stop_still_closes_the_scaling_policy(outcome):
+    # what the policy holds (a probe's reservation) must go even when Ctrl-C lands in the stop
+    script = Script(outcome, stop_error=KeyboardInterrupt())
+    policy = Policy()
+    with pytest.raises(KeyboardInterrupt):
+        script.controller(scaling=policy).run()
+    assert policy.closed == 1
+    assert script.executors[0].stopped is (outcome == "result")

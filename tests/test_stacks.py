@@ -18,6 +18,7 @@ from ray_lightning_sgd._driver.stacks import RankStack, report
 from ray_lightning_sgd._driver.stragglers import StragglerWatch
 from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.stacks import ThreadStack, stack_of
+from ray_lightning_sgd.exceptions import WorkerGroupError
 
 
 def _in_a_thread(target):
@@ -129,6 +130,34 @@ def test_a_poll_answer_without_new_progress_leaves_the_ranks_progress_where_it_w
     new = Mail("", {}, {PROGRESS: ("training", 4)}, {PROGRESS: 0.5}, {PROGRESS: 2})
     inbox._deliver(0, new, run_calls=False)
     assert inbox._progress_at[0] > 100.0 and inbox._last_at[0] == ("training", 4)
+
+
+class _EndedGroup(list):
+    """A worker group that the main thread shut down: it refuses every call."""
+
+    def stack_async(self, rank: int):
+        raise WorkerGroupError("cannot stack on a worker group that is shut down")
+
+
+def test_stacks_asked_from_another_thread_as_the_attempt_ends_are_none():
+    # strategy.worker_stacks() promises [] when no attempt runs, from any thread
+    inbox = RunInbox(None, None, Run())
+    inbox.attach(_EndedGroup([0]), "call")  # type: ignore[arg-type]  (one rank: no news asked)
+    assert inbox.stacks(0.1) == []
+
+
+def test_sigusr1_handled_outside_python_is_left_alone(monkeypatch):
+    import signal
+
+    from ray_lightning_sgd._driver import signals
+
+    before = signal.getsignal(signal.SIGUSR1)
+    monkeypatch.setattr(signal, "getsignal", lambda number: None)  # a handler set in C
+    called = []
+    with signals.sigusr1_calls(lambda: called.append(1)):
+        pass
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGUSR1) is before and called == []
 
 
 def _scheduled_inbox(monkeypatch, workers: int) -> tuple[RunInbox, list[int], list[float]]:

@@ -128,6 +128,27 @@ def test_execute_runs_everywhere_in_rank_order_and_errors_name_their_rank(free_c
         group.execute(_context)
 
 
+def test_an_interrupted_shutdown_still_frees_the_placement_group(free_cluster, monkeypatch):
+    from ray_lightning_sgd._worker_group import group as group_module
+
+    group = WorkerGroup(WorkerGroupConfig(num_workers=1))
+    group.start()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # a second Ctrl-C while the shutdown waits for the killed actors
+
+    with monkeypatch.context() as patch:
+        patch.setattr(group_module.ray, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            group.shutdown()
+    assert leftovers()[1] == [], "the placement group stayed reserved"
+    group.shutdown()  # the next call returns at once: nothing was left for it
+    deadline = time.monotonic() + 10
+    while leftovers() != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers() == ([], [])
+
+
 def test_gpus_are_shared_per_node_and_picked_by_position(free_cluster):
     group = WorkerGroup(WorkerGroupConfig(num_workers=2, resources_per_worker={"CPU": 1, "GPU": 1}))
     group.start()

@@ -52,8 +52,6 @@ class Payload(NamedTuple):
     resume_storage: str | None = None
     #: How many resume checkpoints rank 0 keeps in ``resume_storage`` (older ones are deleted).
     resume_keep_last: int = 2
-    #: Whether the storage folder outlives the fit (a named run, which a new driver resumes).
-    resume_storage_kept: bool = False
     #: Where the driver expects rank 0's logs and checkpoints.
     artifacts: Artifacts | None = None
     #: Whether the results travel without out-of-band buffers: the driver is a Ray Client,

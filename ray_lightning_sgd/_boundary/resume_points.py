@@ -54,6 +54,15 @@ def checkpoint_name(epoch: int, global_step: int) -> str:
     return f"resume-epoch={epoch}-step={global_step}.ckpt"
 
 
+def remove_storage_folder(uri: str) -> None:
+    """Worker side (rank 0, once every rank returned a successful call's results): removes the
+    launch's own folder of a storage, which no attempt needs any more. Not before: a rank lost
+    while the results come back restarts the fit from the folder's newest checkpoint."""
+    filesystem, path = fsspec_path(uri)
+    if filesystem.exists(path):
+        filesystem.rm(path, recursive=True)
+
+
 def fsspec_path(uri: str) -> tuple[Any, str]:
     """The fsspec file system of a path or URI, and the path on it."""
     import fsspec

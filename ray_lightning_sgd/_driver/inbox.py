@@ -59,7 +59,7 @@ from ray_lightning_sgd._driver.stragglers import StragglerWatch
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, rank_on_node
-from ray_lightning_sgd.exceptions import WorkerTimeoutError
+from ray_lightning_sgd.exceptions import WorkerGroupError, WorkerTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,10 @@ class RunInbox:
         group = self._group
         if group is None:
             return []
-        refs = {rank: group.stack_async(rank) for rank in range(len(group))}
+        try:
+            refs = {rank: group.stack_async(rank) for rank in range(len(group))}
+        except WorkerGroupError:  # the attempt ended meanwhile (in the main thread)
+            return []
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         answered = set(ready)
         stacks = []

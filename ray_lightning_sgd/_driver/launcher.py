@@ -33,7 +33,7 @@ from ray_lightning_sgd._boundary.datasets import DatasetSplit
 from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, GlobalState, Payload
 from ray_lightning_sgd._boundary.results import WorkerOutput
-from ray_lightning_sgd._boundary.resume_points import ResumePoint
+from ray_lightning_sgd._boundary.resume_points import ResumePoint, remove_storage_folder
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver import artifacts, datasets, runs, signals
 from ray_lightning_sgd._driver import storage as _storage
@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 #: How long a failed attempt's end waits for its killed workers' local checkpoint copies to be
 #: released, at most (seconds).
 _SWEEP_WAIT_S = 1.0
+#: How long rank 0 may take to remove a succeeded launch's folder of the storage.
+_REMOVE_FOLDER_WAIT_S = 60.0
 
 
 class RayLauncherBase(_Base):
@@ -163,8 +165,7 @@ class RayLauncherBase(_Base):
                 else 0
             ),
             resume_on_preemption=config.max_preemptions != 0,
-            resume_storage=storage, resume_keep_last=config.keep_last,
-            resume_storage_kept=config.run_name is not None, artifacts=mirror,
+            resume_storage=storage, resume_keep_last=config.keep_last, artifacts=mirror,
             results_in_band=_compat.ray.driver_is_a_client(),
             global_batch_workers=(
                 group.num_workers if self._strategy.keep_global_batch_size and group.elastic else 0
@@ -250,6 +251,8 @@ class RayLauncherBase(_Base):
             shipped.cancel()  # nothing keeps the payload in the object store
             raise
         self._attempt = attempt = _Attempt(executor, shipped, payload.call_id)
+        if payload.resume_storage is not None and self._strategy.run_config.run_name is None:
+            attempt.storage_to_remove = payload.resume_storage  # a named run's folder stays
         try:
             run.attempt_started(executor.worker_group.metadata)
             if growth is not None:
@@ -292,13 +295,16 @@ class RayLauncherBase(_Base):
     def _stop_attempt(
         self, attempt: _Attempt, succeeded: bool, run: Run, inbox: RunInbox | None
     ) -> None:
-        """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers."""
+        """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers;
+        after a success, has rank 0 remove the launch's own folder of the storage."""
+        executor, attempt.executor = attempt.executor, None
         attempt.shipped, attempt.refs = None, []  # the payload may leave the object store
         self._attempt = None
         splits, attempt.splits = attempt.splits, []
-        datasets.close(splits)  # the workers are done with them, or about to be stopped
-        executor, attempt.executor = attempt.executor, None
         try:
+            datasets.close(splits)  # the workers are done with them, or about to be stopped
+            if succeeded and executor is not None and attempt.storage_to_remove is not None:
+                _remove_storage_folder(executor, attempt.storage_to_remove)
             if inbox is not None:
                 inbox.abandon()  # a lost or failed attempt: what its survivors left, no calls
         finally:  # a second Ctrl-C during the above still stops the workers
@@ -342,6 +348,17 @@ class RayLauncherBase(_Base):
         return state
 
 
+def _remove_storage_folder(executor: BackendExecutor, uri: str) -> None:
+    """Driver side: has rank 0 remove a succeeded launch's own folder of the storage (where rank 0
+    wrote it: the driver's machine may not reach it); a failure to is a warning, not an error."""
+    group = executor.worker_group
+    try:
+        ref = group.execute_single_async(0, remove_storage_folder, uri)
+        group.get([ref], timeout_s=_REMOVE_FOLDER_WAIT_S)
+    except Exception as err:  # noqa: BLE001 - the call succeeded; a stale folder is no error
+        log.warning("Could not remove the resume checkpoints in %s: %s", uri, err)
+
+
 @dataclass
 class _Attempt:
     """Driver side: one attempt's running workers and its payload in the object store."""
@@ -353,6 +370,8 @@ class _Attempt:
     refs: list[ray.ObjectRef] = field(default_factory=list)
     #: The call's Ray Data datasets, split over this attempt's ranks.
     splits: list[DatasetSplit] = field(default_factory=list)
+    #: The launch's own folder of the storage, which rank 0 removes once the call succeeded.
+    storage_to_remove: str | None = None
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,9 @@ def sigusr1_calls(action: Callable[[], None]) -> Iterator[None]:
         yield
         return
     previous = signal.getsignal(number)
+    if previous is None:  # installed outside Python: it could not be put back
+        yield
+        return
 
     def handler(signum: int, frame: Any) -> None:
         action()

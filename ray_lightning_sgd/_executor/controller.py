@@ -193,15 +193,19 @@ class RunController(Generic[E, R, P]):
             outcome = self._wait(executor)
         except BaseException as err:
             # after a failure the survivors may be stuck in a collective: the executor is killed
-            self._stop(executor, succeeded=False, error=err)
-            self._close_scaling(err)
+            try:
+                self._stop(executor, succeeded=False, error=err)
+            finally:  # also when an interrupt lands while the workers stop
+                self._close_scaling(err)
             raise
         # a resized attempt's workers are mid-training: stopped, never kept
         resized = isinstance(outcome, Resize)
-        self._stop(
-            executor, succeeded=not resized, error=None, after="resize" if resized else "call"
-        )
-        self._close_scaling(None)
+        try:
+            self._stop(
+                executor, succeeded=not resized, error=None, after="resize" if resized else "call"
+            )
+        finally:
+            self._close_scaling(None)
         return outcome
 
     def _close_scaling(self, error: BaseException | None) -> None:

@@ -233,7 +233,6 @@ def _add_callbacks(payload: Payload, call: _TrainerCall) -> None:
             payload.resume_every_n_epochs,
             payload.resume_storage,
             keep_last=payload.resume_keep_last,
-            keep_folder=payload.resume_storage_kept,
             on_preemption=payload.resume_on_preemption,
             resumed=payload.resume is not None,
         )

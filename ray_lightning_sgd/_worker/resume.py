@@ -75,7 +75,6 @@ class ResumeCheckpointBase:
         every_n_epochs: int,
         storage: str | None,
         keep_last: int = 2,
-        keep_folder: bool = False,
         on_preemption: bool = False,
         resumed: bool = False,
     ) -> None:
@@ -84,7 +83,6 @@ class ResumeCheckpointBase:
         self._every = every_n_epochs
         self._storage = storage
         self._keep_last = keep_last
-        self._keep_folder = keep_folder
         self._on_preemption = on_preemption
         self._watching = False
         self._notices = _Notices()
@@ -226,19 +224,6 @@ class ResumeCheckpointBase:
             node_id="",  # the driver names that rank's node
             preempted=True,
         )
-
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # the launch is over: its own folder of the storage is not needed (a named run's stays,
-        # for the next driver that runs it)
-        if self._storage is not None and not self._keep_folder and trainer.global_rank == 0:
-            import fsspec  # only where a storage is used
-
-            try:
-                filesystem, path = fsspec.core.url_to_fs(self._storage)
-                if filesystem.exists(path):
-                    filesystem.rm(path, recursive=True)
-            except Exception as err:  # noqa: BLE001 - the fit succeeded; a stale file is no error
-                log.warning("Could not remove the resume checkpoint in %s: %s", self._storage, err)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._every or (trainer.current_epoch + 1) % self._every:

@@ -298,15 +298,17 @@ class WorkerGroup:
         self._state = _State.SHUTDOWN
         actors = [worker.actor for worker in self._workers] + [a for a, _ in self._started]
         self._workers, self._started = [], []
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
-        if actors:
-            # a call on a killed actor fails once Ray knows it is dead: wait for that, boundedly
-            probes: list[ray.ObjectRef] = [actor.metadata.remote() for actor in actors]
-            ray.wait(probes, num_returns=len(probes), timeout=_SHUTDOWN_WAIT_S)
-        if self._placement_group is not None:
-            remove_placement_group(self._placement_group)
-            self._placement_group = None
+        placement, self._placement_group = self._placement_group, None
+        try:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            if actors:
+                # a call on a killed actor fails once Ray knows it is dead: wait, boundedly
+                probes: list[ray.ObjectRef] = [actor.metadata.remote() for actor in actors]
+                ray.wait(probes, num_returns=len(probes), timeout=_SHUTDOWN_WAIT_S)
+        finally:  # also after a Ctrl-C above: a second call returns at once, so it goes now
+            if placement is not None:
+                remove_placement_group(placement)  # which ends any actor still in it
         log.debug("Shut down worker group %s", self._name)
 
     def has_room_to_grow(self, wait_s: float = _PROBE_S) -> bool:
