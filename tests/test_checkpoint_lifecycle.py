@@ -185,6 +185,17 @@ def test_a_checkpoint_cut_short_is_passed_over_with_a_warning(tmp_path, caplog):
         runs.resume_named_run(str(storage), "run", {"model": "m"})
     with pytest.raises(RaySGDError, match="holds no other whole resume checkpoint"):
         resume_points.resolve(held)
+    # a zip's first bytes only, and a file of zeros (written, never flushed before a crash), are
+    # damaged; a file of another format is taken as it is
+    for content, problem in [
+        (b"PK\x03", "is damaged (truncated)"),
+        (bytes(4096), "is damaged (zeros where it starts"),
+        (bytes(10), "is damaged (zeros where it starts"),
+    ]:
+        (tmp_path / "odd.ckpt").write_bytes(content)
+        assert str(resume_points.checkpoint_problem(str(tmp_path / "odd.ckpt"))).startswith(problem)
+    (tmp_path / "odd.ckpt").write_bytes(b"\x80\x02}q\x00." + bytes(4096))  # a legacy pickle
+    assert resume_points.checkpoint_problem(str(tmp_path / "odd.ckpt")) is None
     # the check reads the archive's directory only: a 40 MB checkpoint's as fast as a tiny one's
     big = tmp_path / "big.ckpt"
     torch.save({"w": torch.zeros(10_000_000)}, big)
@@ -565,3 +576,33 @@ def test_a_resumed_one_cycle_schedule_that_ends_too_soon_is_said_at_once():
         warnings.simplefilter("error")
         resumed_fit.warn_schedulers_that_end_too_soon(trainer(36))  # type: ignore[arg-type]
         resumed_fit.warn_schedulers_that_end_too_soon(trainer(18))  # type: ignore[arg-type]
+
+
+def test_a_resume_checkpoint_is_staged_nowhere_but_under_its_own_temporary_name(
+    tmp_path, monkeypatch
+):
+    """Lightning's own save stages the whole file under the system's temporary folder and moves
+    it into place: a kill meanwhile leaves it there for good. Ours writes the temporary name it
+    gives (in the checkpoint's own folder, renamed or removed by us) and nothing else."""
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", enable_checkpointing=False, **quiet_trainer_kwargs()
+    )
+    trainer.fit(TinyModel(), loader())
+    staged: list[str] = []
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, **kwargs):
+        made = real(*args, **kwargs)
+        staged.append(made[1])
+        return made
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    path = tmp_path / "run" / _files.temp_name("resume-epoch=0-step=12.ckpt", unique=False)
+    with resume._saved_in_place(trainer.strategy):
+        trainer.save_checkpoint(path)
+    assert staged == [], "a resume checkpoint was staged outside its folder"
+    assert torch.load(path, weights_only=False)["global_step"] == 12  # one process: 12 batches
+    assert "save_checkpoint" not in vars(trainer.strategy.checkpoint_io), "the writer stays"
+    # the reason, as long as it holds: Lightning's own save stages the file elsewhere
+    trainer.save_checkpoint(tmp_path / "lightnings.ckpt")
+    assert staged and not staged[0].startswith(str(tmp_path)), staged

@@ -358,6 +358,42 @@ def test_runs_sharing_a_checkpoint_storage_keep_their_own_checkpoints(
     assert {path: path.read_bytes() for path in storage.rglob("*.ckpt")} == left
 
 
+class LostAtTheEnd(TinyModel):
+    """In the first attempt, rank 1's process exits in ``on_fit_end`` once rank 0 reached its
+    own, which Lightning calls after every callback's: the fit is over, the results not back."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def on_fit_end(self) -> None:
+        lost, at_end = Path(self.folder, "rank-1-lost"), Path(self.folder, "rank-0-at-the-end")
+        if lost.exists():
+            return
+        if self.global_rank == 0:
+            at_end.touch()
+            return
+        deadline = time.monotonic() + 60
+        while not at_end.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lost.touch()
+        os._exit(3)
+
+
+def test_a_rank_lost_after_the_fit_ended_restarts_from_the_storage_then_empties_it(
+    ray_cluster, tmp_path, caplog
+):
+    storage = tmp_path / "resume"
+    strategy = RaySGDStrategy(num_workers=2, max_failures=1, checkpoint_storage=str(storage))
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        trainer = _fit(LostAtTheEnd(str(tmp_path)), strategy)
+    assert (tmp_path / "rank-1-lost").exists()
+    assert "Restart 1 (of max_failures=1)" in caplog.text, caplog.text
+    assert trainer.global_step == 18 and trainer.current_epoch == 3
+    # the launch's own folder went once the call succeeded, not before
+    assert list(storage.iterdir()) == []
+
+
 def test_a_checkpoint_of_two_workers_resumes_on_one(ray_cluster, tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     pl.seed_everything(0)

@@ -90,11 +90,14 @@ def stored_points(storage: str) -> list[ResumePoint]:
 
 #: How a zip archive (torch.save's format) starts.
 _ZIP_MAGIC = b"PK\x03\x04"
+#: How much of a checkpoint's start is read to tell its format (a zero-filled one, no format).
+_HEAD_BYTES = 4096
 
 
 def checkpoint_problem(uri: str) -> str | None:
     """What is wrong with the checkpoint file at ``uri`` (None: it is whole, as far as can be
-    told without loading it): missing, empty, or a zip archive (torch.save's format) without a
+    told without loading it): missing, empty, zeros where it starts (written but never flushed
+    to the disk before a crash), or a zip archive (torch.save's format) cut short or without a
     whole central directory, as a write that stopped early leaves it. Reads the archive's
     directory only (under 1 ms for a checkpoint of any size on a local disk); a file in another
     format (another CheckpointIO's) is taken as it is."""
@@ -108,7 +111,12 @@ def checkpoint_problem(uri: str) -> str | None:
         if size == 0:
             return "is empty"
         with filesystem.open(path, "rb") as file:
-            if file.read(4) != _ZIP_MAGIC:
+            head = file.read(_HEAD_BYTES)
+            if head[:4] != _ZIP_MAGIC:
+                if not head.strip(b"\0"):  # no format starts with a page of zeros
+                    return "is damaged (zeros where it starts: its data never reached the disk)"
+                if len(head) < len(_ZIP_MAGIC) and _ZIP_MAGIC.startswith(head):
+                    return "is damaged (truncated)"
                 return None
             file.seek(0)
             with zipfile.ZipFile(file) as archive:

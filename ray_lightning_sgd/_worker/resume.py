@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from ray_lightning_sgd import _files, _scratch
@@ -248,7 +249,7 @@ class ResumeCheckpointBase:
             if rank_zero:
                 _files.remove_leftovers(folder, starting=".resume-")  # of a killed writer
             try:
-                with whole:
+                with whole, _saved_in_place(trainer.strategy):
                     trainer.save_checkpoint(temp)
                 if rank_zero:
                     filesystem, path = fsspec_path(temp)
@@ -265,7 +266,7 @@ class ResumeCheckpointBase:
             held = _scratch.create_folder()
             try:
                 path = os.path.join(held, "resume.ckpt")
-                with whole:
+                with whole, _saved_in_place(trainer.strategy):
                     trainer.save_checkpoint(path)
                 data = _read(path) if rank_zero else None
             finally:
@@ -333,3 +334,40 @@ def logger_versions(trainer: pl.Trainer) -> list[Any]:
 def _read(path: str) -> bytes:
     with open(path, "rb") as file:
         return file.read()
+
+
+@contextlib.contextmanager
+def _saved_in_place(strategy: Any) -> Iterator[None]:
+    """Worker side: while a resume checkpoint is saved, Lightning's own checkpoint writer writes
+    it straight to the path it is given.
+
+    Its atomic save goes through an fsspec transaction, which on a local disk stages the whole
+    file under the system's temporary folder (``tempfile.mkstemp()``) and moves it into place
+    at the end: a process killed meanwhile (a preempted node, a lost worker) leaves a file of the
+    checkpoint's size there that nothing removes. The path given here is already a temporary
+    name of the checkpoint's own folder, renamed into place once complete and removed (or swept)
+    when not, so it needs no staging. A checkpoint writer of the user's own, a storage URI or
+    ``storage_options`` keep their own way.
+    """
+    io: Any = getattr(strategy, "checkpoint_io", None)
+    kind: Any = type(io)
+    if kind.__name__ != "TorchCheckpointIO" or not kind.__module__.endswith(
+        "fabric.plugins.io.torch_io"
+    ):
+        yield
+        return
+
+    def save_checkpoint(checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            kind.save_checkpoint(io, checkpoint, path, storage_options)
+            return
+        import torch
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(checkpoint, path)
+
+    io.save_checkpoint = save_checkpoint
+    try:
+        yield
+    finally:
+        del io.save_checkpoint
