@@ -245,14 +245,17 @@ class RayLauncherBase(_Base):
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
         putter.shutdown(wait=False)
         del packed
+        # a named run's folder stays for the next driver; this launch's own goes after a success
+        named = self._strategy.run_config.run_name is not None
+        to_remove = None if named else payload.resume_storage
         try:
             executor = self._start_executor()
         except BaseException:
             shipped.cancel()  # nothing keeps the payload in the object store
             raise
-        self._attempt = attempt = _Attempt(executor, shipped, payload.call_id)
-        if payload.resume_storage is not None and self._strategy.run_config.run_name is None:
-            attempt.storage_to_remove = payload.resume_storage  # a named run's folder stays
+        self._attempt = attempt = _Attempt(
+            executor, shipped, payload.call_id, storage_to_remove=to_remove
+        )
         try:
             run.attempt_started(executor.worker_group.metadata)
             if growth is not None:
