@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import pytorch_lightning as pl
 import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_fabric.utilities.cloud_io import _atomic_save
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, WorkerDiedError, _files
@@ -91,24 +92,24 @@ class _Outbox:
 
 
 def _trainer(epoch: int, size: int = 1000) -> SimpleNamespace:
-    """What ResumeCheckpointBase reads of a Trainer; saves as Lightning does (torch.save to a
-    buffer, then a copy through fsspec)."""
+    """What ResumeCheckpointBase reads of a Trainer; saves through its strategy's checkpoint
+    writer, Lightning's own, as Trainer.save_checkpoint does."""
     step = 6 * (epoch + 1)
+    writer = TorchCheckpointIO()
 
     def save_checkpoint(path: str) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)  # as Lightning's CheckpointIO does
-        _atomic_save({"epoch": epoch, "w": torch.full((size,), float(epoch))}, path)
+        writer.save_checkpoint({"epoch": epoch, "w": torch.full((size,), float(epoch))}, path)
 
     return SimpleNamespace(
         current_epoch=epoch, global_step=step, global_rank=0, loggers=[],
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=step)),
-        strategy=SimpleNamespace(resume_checkpoints=contextlib.nullcontext),
+        strategy=SimpleNamespace(resume_checkpoints=contextlib.nullcontext, checkpoint_io=writer),
         save_checkpoint=save_checkpoint,
     )  # fmt: skip
 
 
 def _save(storage: Path, epoch: int, outbox: _Outbox, keep_last: int = 1, size: int = 1000):
-    callback = ResumeCheckpointBase(1, str(storage), keep_last=keep_last, keep_folder=True)
+    callback = ResumeCheckpointBase(1, str(storage), keep_last=keep_last)
     return callback._save(_trainer(epoch, size))  # type: ignore[arg-type]
 
 

@@ -349,8 +349,8 @@ def _saved_in_place(strategy: Any) -> Iterator[None]:
     when not, so it needs no staging. A checkpoint writer of the user's own, a storage URI or
     ``storage_options`` keep their own way.
     """
-    io: Any = getattr(strategy, "checkpoint_io", None)
-    kind: Any = type(io)
+    writer: Any = getattr(strategy, "checkpoint_io", None)
+    kind: Any = type(writer)
     if kind.__name__ != "TorchCheckpointIO" or not kind.__module__.endswith(
         "fabric.plugins.io.torch_io"
     ):
@@ -359,15 +359,22 @@ def _saved_in_place(strategy: Any) -> Iterator[None]:
 
     def save_checkpoint(checkpoint: Any, path: Any, storage_options: Any = None) -> None:
         if storage_options is not None or "://" in str(path):
-            kind.save_checkpoint(io, checkpoint, path, storage_options)
+            kind.save_checkpoint(writer, checkpoint, path, storage_options)
             return
+        import io
+
         import torch
 
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        torch.save(checkpoint, path)
+        # to memory first, as Lightning does: a full disk is then an OSError that says so, where
+        # torch.save's own file writer raises a RuntimeError about stream positions
+        data = io.BytesIO()
+        torch.save(checkpoint, data)
+        with open(path, "wb") as file:
+            file.write(data.getbuffer())
 
-    io.save_checkpoint = save_checkpoint
+    writer.save_checkpoint = save_checkpoint
     try:
         yield
     finally:
-        del io.save_checkpoint
+        del writer.save_checkpoint
