@@ -107,3 +107,16 @@ def test_storage_the_driver_cannot_reach_is_left_to_the_workers(
 def test_a_storage_fsspec_cannot_open_is_a_configuration_error():
     with pytest.raises(ConfigurationError, match=r"checkpoint_storage='s4://bucket/runs'"):
         storage.check_writable("s4://bucket/runs", "s4://bucket/runs")  # no such protocol
+
+
+def test_a_named_run_on_a_local_path_behind_a_ray_client_is_warned_about(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        storage.check_storage("/mnt/runs", None)  # each launch's own folder: the workers' disk
+        storage.check_storage("s3://bucket/runs", "digits")  # both reach a URI
+        assert caplog.text == ""
+        storage.check_storage("/mnt/runs", "digits")
+    assert "run_name='digits'" in caplog.text and "behind a Ray Client" in caplog.text
+    assert not os.path.exists("/mnt/runs/digits"), "nothing is made on the client's disk"

@@ -99,6 +99,15 @@ def check_storage(given: str, run_name: str | None) -> None:
     one). Not from a Ray Client (connected, or about to be): its machine's disk is not the
     cluster's."""
     if _compat.ray.driver_is_a_client() or os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
+        if run_name is not None and "://" not in given:
+            log.warning(
+                "run_name=%r with checkpoint_storage=%r behind a Ray Client: this machine keeps "
+                "the run's lock and run.json in that folder and looks there for its checkpoints, "
+                "which the workers write on their own machines. Unless both reach the same "
+                "folder (a shared mount), each new driver starts the run over: give a URI both "
+                "reach (s3://..., gs://...).",
+                run_name, given,
+            )  # fmt: skip
         return
     root = resolve(given)
     folder = root if run_name is None else f"{root.rstrip('/')}/{run_name}"
