@@ -389,6 +389,7 @@ def test_a_rank_lost_after_the_fit_ended_restarts_from_the_storage_then_empties_
         trainer = _fit(LostAtTheEnd(str(tmp_path)), strategy)
     assert (tmp_path / "rank-1-lost").exists()
     assert "Restart 1 (of max_failures=1)" in caplog.text, caplog.text
+    assert "fit resumes after epoch 2 (global step 18)" in caplog.text, caplog.text
     assert trainer.global_step == 18 and trainer.current_epoch == 3
     # the launch's own folder went once the call succeeded, not before
     assert list(storage.iterdir()) == []

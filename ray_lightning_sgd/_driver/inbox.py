@@ -217,7 +217,7 @@ class RunInbox:
             return []
         try:
             refs = {rank: group.stack_async(rank) for rank in range(len(group))}
-        except WorkerGroupError:  # the attempt ended meanwhile (in the main thread)
+        except (WorkerGroupError, IndexError):  # the attempt ended meanwhile (main thread)
             return []
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         answered = set(ready)

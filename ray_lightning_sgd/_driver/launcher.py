@@ -245,9 +245,10 @@ class RayLauncherBase(_Base):
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
         putter.shutdown(wait=False)
         del packed
-        # a named run's folder stays for the next driver; this launch's own goes after a success
+        # a fit's own folder goes after its success; a named run's stays for the next driver
+        fitting = payload.trainer is not None and payload.trainer.state.fn == FITTING
         named = self._strategy.run_config.run_name is not None
-        to_remove = None if named else payload.resume_storage
+        to_remove = payload.resume_storage if fitting and not named else None
         try:
             executor = self._start_executor()
         except BaseException:
@@ -304,16 +305,18 @@ class RayLauncherBase(_Base):
         attempt.shipped, attempt.refs = None, []  # the payload may leave the object store
         self._attempt = None
         splits, attempt.splits = attempt.splits, []
+        removed = True
         try:
             datasets.close(splits)  # the workers are done with them, or about to be stopped
             if succeeded and executor is not None and attempt.storage_to_remove is not None:
-                _remove_storage_folder(executor, attempt.storage_to_remove)
+                removed = _remove_storage_folder(executor, attempt.storage_to_remove)
             if inbox is not None:
                 inbox.abandon()  # a lost or failed attempt: what its survivors left, no calls
         finally:  # a second Ctrl-C during the above still stops the workers
             if executor is not None:
                 # a worker that received SIGTERM is about to end: not one to keep warm
-                keep = succeeded and self._strategy.reuse_workers and not run.doomed
+                # nor one whose rank 0 failed to remove the folder (dead, or still at it)
+                keep = succeeded and self._strategy.reuse_workers and not run.doomed and removed
                 try:
                     pool.release(executor, keep=keep, graceful=succeeded)
                 finally:
@@ -351,15 +354,18 @@ class RayLauncherBase(_Base):
         return state
 
 
-def _remove_storage_folder(executor: BackendExecutor, uri: str) -> None:
-    """Driver side: has rank 0 remove a succeeded launch's own folder of the storage (where rank 0
-    wrote it: the driver's machine may not reach it); a failure to is a warning, not an error."""
+def _remove_storage_folder(executor: BackendExecutor, uri: str) -> bool:
+    """Driver side: has rank 0 remove a succeeded fit's own folder of the storage (where rank 0
+    wrote it: the driver's machine may not reach it); whether it did. A failure to is a warning,
+    not an error."""
     group = executor.worker_group
     try:
         ref = group.execute_single_async(0, remove_storage_folder, uri)
         group.get([ref], timeout_s=_REMOVE_FOLDER_WAIT_S)
     except Exception as err:  # noqa: BLE001 - the call succeeded; a stale folder is no error
         log.warning("Could not remove the resume checkpoints in %s: %s", uri, err)
+        return False
+    return True
 
 
 @dataclass

@@ -99,7 +99,7 @@ def check_storage(given: str, run_name: str | None) -> None:
     one). Not from a Ray Client (connected, or about to be): its machine's disk is not the
     cluster's."""
     if _compat.ray.driver_is_a_client() or os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
-        if run_name is not None and "://" not in given:
+        if run_name is not None and ("://" not in given or given.startswith("file://")):
             log.warning(
                 "run_name=%r with checkpoint_storage=%r behind a Ray Client: this machine keeps "
                 "the run's lock and run.json in that folder and looks there for its checkpoints, "

@@ -347,7 +347,7 @@ def _saved_in_place(strategy: Any) -> Iterator[None]:
     checkpoint's size there that nothing removes. The path given here is already a temporary
     name of the checkpoint's own folder, renamed into place once complete and removed (or swept)
     when not, so it needs no staging. A checkpoint writer of the user's own, a storage URI or
-    ``storage_options`` keep their own way.
+    ``storage_options`` keep their own way (an asynchronous writer too: its type differs).
     """
     writer: Any = getattr(strategy, "checkpoint_io", None)
     kind: Any = type(writer)
@@ -373,8 +373,13 @@ def _saved_in_place(strategy: Any) -> Iterator[None]:
         with open(path, "wb") as file:
             file.write(data.getbuffer())
 
+    missing = object()
+    previous = vars(writer).get("save_checkpoint", missing)  # one set on the instance: kept
     writer.save_checkpoint = save_checkpoint
     try:
         yield
     finally:
-        del writer.save_checkpoint
+        if previous is missing:
+            vars(writer).pop("save_checkpoint", None)
+        else:
+            writer.save_checkpoint = previous
