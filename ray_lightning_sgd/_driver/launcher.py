@@ -185,6 +185,8 @@ class RayLauncherBase(_Base):
                 latest=lambda: run.resume, probe=PlacementGroupProbe(group),
             )  # fmt: skip
         numbers = itertools.count()
+        # a fit's own folder of the storage goes after its success; a named run's stays
+        own_folder = template.resume_storage if call.fitting and config.run_name is None else None
 
         def start(resume: ResumePoint | None) -> _Attempt:
             payload = template._replace(
@@ -199,7 +201,9 @@ class RayLauncherBase(_Base):
             Attempts(
                 start=start,
                 wait=functools.partial(self._wait, run=run, inbox=inbox),
-                stop=functools.partial(self._stop_attempt, run=run, inbox=inbox),
+                stop=functools.partial(
+                    self._stop_attempt, run=run, inbox=inbox, storage_to_remove=own_folder
+                ),
                 resume_point=lambda: run.resume if call.fitting and inbox is not None else None,
             ),
             max_failures=config.max_failures,
@@ -245,18 +249,12 @@ class RayLauncherBase(_Base):
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
         putter.shutdown(wait=False)
         del packed
-        # a fit's own folder goes after its success; a named run's stays for the next driver
-        fitting = payload.trainer is not None and payload.trainer.state.fn == FITTING
-        named = self._strategy.run_config.run_name is not None
-        to_remove = payload.resume_storage if fitting and not named else None
         try:
             executor = self._start_executor()
         except BaseException:
             shipped.cancel()  # nothing keeps the payload in the object store
             raise
-        self._attempt = attempt = _Attempt(
-            executor, shipped, payload.call_id, storage_to_remove=to_remove
-        )
+        self._attempt = attempt = _Attempt(executor, shipped, payload.call_id)
         try:
             run.attempt_started(executor.worker_group.metadata)
             if growth is not None:
@@ -297,7 +295,12 @@ class RayLauncherBase(_Base):
         return [unpack(out) for out in results]
 
     def _stop_attempt(
-        self, attempt: _Attempt, succeeded: bool, run: Run, inbox: RunInbox | None
+        self,
+        attempt: _Attempt,
+        succeeded: bool,
+        run: Run,
+        inbox: RunInbox | None,
+        storage_to_remove: str | None = None,
     ) -> None:
         """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers;
         after a success, has rank 0 remove the launch's own folder of the storage."""
@@ -308,8 +311,8 @@ class RayLauncherBase(_Base):
         removed = True
         try:
             datasets.close(splits)  # the workers are done with them, or about to be stopped
-            if succeeded and executor is not None and attempt.storage_to_remove is not None:
-                removed = _remove_storage_folder(executor, attempt.storage_to_remove)
+            if succeeded and executor is not None and storage_to_remove is not None:
+                removed = _remove_storage_folder(executor, storage_to_remove)
             if inbox is not None:
                 inbox.abandon()  # a lost or failed attempt: what its survivors left, no calls
         finally:  # a second Ctrl-C during the above still stops the workers
@@ -379,8 +382,6 @@ class _Attempt:
     refs: list[ray.ObjectRef] = field(default_factory=list)
     #: The call's Ray Data datasets, split over this attempt's ranks.
     splits: list[DatasetSplit] = field(default_factory=list)
-    #: The launch's own folder of the storage, which rank 0 removes once the call succeeded.
-    storage_to_remove: str | None = None
 
 
 @dataclass(frozen=True)
