@@ -8,6 +8,7 @@ fake Trainer and outbox; two fits check the same on real workers."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -607,3 +608,38 @@ def test_a_resume_checkpoint_is_staged_nowhere_but_under_its_own_temporary_name(
     # the reason, as long as it holds: Lightning's own save stages the file elsewhere
     trainer.save_checkpoint(tmp_path / "lightnings.ckpt")
     assert staged and not staged[0].startswith(str(tmp_path)), staged
+
+
+class _SlowWriter(TorchCheckpointIO):
+    """Lightning's writer on a slow disk (or with a large checkpoint)."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        time.sleep(0.5)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+@pytest.mark.parametrize("wrapped", [None, _SlowWriter], ids=["lightnings_writer", "a_slow_one"])
+def test_an_asynchronous_writer_has_a_resume_checkpoint_whole_before_it_is_handed_on(
+    tmp_path, monkeypatch, wrapped
+):
+    """Lightning's AsyncCheckpointIO returns before the file exists; rank 0 then renames, reads
+    and hands on the resume checkpoint at once. It is saved whole first, in that thread."""
+    from pytorch_lightning.plugins.io import AsyncCheckpointIO
+
+    writer = AsyncCheckpointIO(None if wrapped is None else wrapped())
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", enable_checkpointing=False, plugins=[writer],
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    trainer.fit(TinyModel(), loader())
+    monkeypatch.setattr(
+        trainer.strategy, "resume_checkpoints", contextlib.nullcontext, raising=False
+    )
+    monkeypatch.setattr(resume, "get_outbox", lambda: _Outbox())
+    stored = ResumeCheckpointBase(1, str(tmp_path / "run"))._save(trainer)
+    assert torch.load(str(stored.uri), weights_only=False)["global_step"] == trainer.global_step
+    held = ResumeCheckpointBase(1, None)._save(trainer)
+    assert held.data is not None
+    assert torch.load(io.BytesIO(held.data), weights_only=False)["global_step"] > 0
+    assert "save_checkpoint" not in vars(writer), "the writer stays asynchronous"
+    assert writer._executor is None, "the resume checkpoints went through no thread"

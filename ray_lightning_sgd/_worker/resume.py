@@ -336,46 +336,62 @@ def _read(path: str) -> bytes:
         return file.read()
 
 
+def _is_lightnings(kind: type, name: str, module: str) -> bool:
+    """Whether ``kind`` is Lightning's own class ``name`` of its ``module`` (named from the
+    namespace's ``plugins`` on: either namespace's, not a subclass)."""
+    return kind.__name__ == name and kind.__module__.endswith(module)
+
+
 @contextlib.contextmanager
 def _saved_in_place(strategy: Any) -> Iterator[None]:
-    """Worker side: while a resume checkpoint is saved, Lightning's own checkpoint writer writes
-    it straight to the path it is given.
+    """Worker side: while a resume checkpoint is saved, the strategy's checkpoint writer has
+    written it, whole, at the path it is given when ``save_checkpoint`` returns, and nowhere else.
 
-    Its atomic save goes through an fsspec transaction, which on a local disk stages the whole
-    file under the system's temporary folder (``tempfile.mkstemp()``) and moves it into place
-    at the end: a process killed meanwhile (a preempted node, a lost worker) leaves a file of the
-    checkpoint's size there that nothing removes. The path given here is already a temporary
-    name of the checkpoint's own folder, renamed into place once complete and removed (or swept)
-    when not, so it needs no staging. A checkpoint writer of the user's own, a storage URI or
-    ``storage_options`` keep their own way (an asynchronous writer too: its type differs).
+    - Lightning's own writer saves atomically through an fsspec transaction, which on a local
+      disk stages the whole file under the system's temporary folder (``tempfile.mkstemp()``)
+      and moves it into place at the end: a process killed meanwhile (a preempted node, a lost
+      worker) leaves a file of the checkpoint's size there that nothing removes. The path given
+      here is already a temporary name of the checkpoint's own folder, renamed into place once
+      complete and removed (or swept) when not, so here it writes that path straight.
+    - Lightning's ``AsyncCheckpointIO`` returns before the file exists and writes it in a
+      thread: rank 0 would then rename, read or hand over a file not yet written. Here it saves
+      through the writer it wraps, in the calling thread (its other checkpoints stay
+      asynchronous).
+
+    A checkpoint writer of the user's own, a storage URI or ``storage_options`` keep their own
+    way.
     """
     writer: Any = getattr(strategy, "checkpoint_io", None)
-    kind: Any = type(writer)
-    if kind.__name__ != "TorchCheckpointIO" or not kind.__module__.endswith(
-        "fabric.plugins.io.torch_io"
-    ):
-        yield
-        return
-
-    def save_checkpoint(checkpoint: Any, path: Any, storage_options: Any = None) -> None:
-        if storage_options is not None or "://" in str(path):
-            kind.save_checkpoint(writer, checkpoint, path, storage_options)
+    inner: Any = writer
+    if _is_lightnings(type(writer), "AsyncCheckpointIO", "plugins.io.async_plugin"):
+        inner = writer.checkpoint_io
+    kind: Any = type(inner)
+    if not _is_lightnings(kind, "TorchCheckpointIO", "plugins.io.torch_io"):
+        if inner is writer:
+            yield
             return
-        import io
+        save_through: Any = inner.save_checkpoint  # the wrapped writer, in this thread
+    else:
 
-        import torch
+        def save_through(checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+            if storage_options is not None or "://" in str(path):
+                kind.save_checkpoint(inner, checkpoint, path, storage_options)
+                return
+            import io
 
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        # to memory first, as Lightning does: a full disk is then an OSError that says so, where
-        # torch.save's own file writer raises a RuntimeError about stream positions
-        data = io.BytesIO()
-        torch.save(checkpoint, data)
-        with open(path, "wb") as file:
-            file.write(data.getbuffer())
+            import torch
+
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            # to memory first, as Lightning does: a full disk is then an OSError that says so,
+            # where torch.save's own file writer raises a RuntimeError about stream positions
+            data = io.BytesIO()
+            torch.save(checkpoint, data)
+            with open(path, "wb") as file:
+                file.write(data.getbuffer())
 
     missing = object()
     previous = vars(writer).get("save_checkpoint", missing)  # one set on the instance: kept
-    writer.save_checkpoint = save_checkpoint
+    writer.save_checkpoint = save_through
     try:
         yield
     finally:
