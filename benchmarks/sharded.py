@@ -82,6 +82,9 @@ class Meter(pl.Callback):
     def __init__(self, out: str) -> None:
         self.out = out
         self.ends: list[float] = []
+        # at each batch end: the training thread's CPU s, the process's CPU s, and the thread's
+        # minor page faults and the times the kernel took the CPU from it (involuntary switches)
+        self.usage: list[tuple[float, float, int, int]] = []
         self.held: dict[str, int] = {}
 
     def setup(self, trainer, pl_module, stage):
@@ -89,6 +92,10 @@ class Meter(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.ends.append(time.time())
+        usage = resource.getrusage(resource.RUSAGE_THREAD)  # this thread's
+        self.usage.append(
+            (time.thread_time(), time.process_time(), usage.ru_minflt, usage.ru_nivcsw)
+        )
         if not self.held:
             states = [s for o in trainer.optimizers for s in o.state.values()]
             self.held = {
@@ -101,8 +108,18 @@ class Meter(pl.Callback):
 
     def on_fit_end(self, trainer, pl_module):
         steps = [b - a for a, b in zip(self.ends[:-1], self.ends[1:], strict=True)]
+        per_step = [
+            [b - a for a, b in zip(first, then, strict=True)]
+            for first, then in zip(self.usage[:-1], self.usage[1:], strict=True)
+        ]
         record = {
             "step": statistics.median(steps),
+            # where a step's time goes: the training thread's CPU, the whole process's CPU (with
+            # gloo's threads), the thread's minor page faults and involuntary switches, per step
+            **{
+                key: statistics.median(step[i] for step in per_step)
+                for i, key in enumerate(("thread_cpu", "process_cpu", "minflt", "nivcsw"))
+            },
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             **self.held,
         }
@@ -171,6 +188,7 @@ def _one_run(mode: str, width: int, layers: int, flags: list[str]) -> dict[str, 
         "params_mb": max(r["params_mb"] for r in ranks),
         "optimizer_mb": max(r["optimizer_mb"] for r in ranks),
         "step": ranks[0]["step"],
+        **{key: ranks[0][key] for key in ("thread_cpu", "process_cpu", "minflt", "nivcsw")},
     }
 
 
@@ -206,9 +224,10 @@ def main() -> None:
     )
     print(
         "| mode | params MB per worker | Adam state MB per worker | worker peak MB | "
-        "driver peak MB | step s |"
+        "driver peak MB | step s | rank 0's step: thread CPU s, process CPU s, minor faults, "
+        "involuntary switches |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     reference = runs.get("lightning_fsdp2")
     for mode, rows in runs.items():
         median = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
@@ -220,7 +239,8 @@ def main() -> None:
             f"| {mode} | {median['params_mb']:.0f} | {median['optimizer_mb']:.0f} | "
             f"{median['worker_peak_mb']:.0f} | "
             f"{driver} | "
-            f"{median['step']:.2f}{ratio} |"
+            f"{median['step']:.2f}{ratio} | {median['thread_cpu']:.2f}, "
+            f"{median['process_cpu']:.2f}, {median['minflt']:.0f}, {median['nivcsw']:.0f} |"
         )
 
 

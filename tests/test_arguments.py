@@ -35,9 +35,10 @@ BAD_ARGUMENTS: list[tuple[str, object]] = [
     *[("resources_per_worker", v) for v in ({"CPU": NAN}, {"CPU": INF}, {"GPU": 2})],
     *[("resources_per_worker", v) for v in ({"GPU": 1.5}, {1: 1}, {"": 1}, {"CPU": "1"})],
     *[("resources_per_worker", v) for v in ({"CPU": True}, {"CPU": None}, {"GPU": 0})],
+    *[("resources_per_worker", v) for v in ({"cpu": 2}, {"gpu": 1}, {"Gpu": 1})],
     *[("placement_strategy", v) for v in ("pack", "", None, 1, ["PACK"], "SPREAD ")],
     *[("backend_config", v) for v in ("nccl", {}, 1, TorchConfig)],
-    *[("init_hook", v) for v in (1, "print", [print])],
+    *[("init_hook", v) for v in (1, "print", [print], lambda x: x)],
     *[("worker_env", v) for v in ("A=1", [("A", "1")], 5, {"A": 1}, {1: "a"}, {"A": None})],
     *[("worker_env", v) for v in ({"": "1"}, {"A=B": "1"}, {"A\0": "1"}, {"A": "1\0"})],
     *[("startup_timeout_s", v) for v in (0, -1, NAN, INF, 1e15, "60", True, None)],
@@ -48,6 +49,7 @@ BAD_ARGUMENTS: list[tuple[str, object]] = [
     *[("hang_report_after_s", v) for v in (0, -5, NAN, INF, 1e15, "10", True)],
     *[("checkpoint_every_n_epochs", v) for v in (0, -1, 1.5, True, "1", None)],
     *[("checkpoint_storage", v) for v in ("", "   ", 1, b"/tmp", ["x"], "s4://b/x", "a\0b")],
+    *[("checkpoint_storage", v) for v in ("s3:/bucket/runs", "gs:bucket")],
     *[("run_name", v) for v in ("", ".hidden", "a/b", 1, "x" * 200, "a b")],
     *[("keep_last", v) for v in (0, -1, 1.5, True, "2", None)],
     *[("resize_interval_s", v) for v in (0, NAN, INF, 1e15, "60", True, None)],
@@ -57,6 +59,34 @@ BAD_ARGUMENTS: list[tuple[str, object]] = [
     *[("ship_driver_code", v) for v in (1, "yes", None)],
     *[("debug", v) for v in (1, "yes", None)],
     *[("return_weights", v) for v in (0, "no", None)],
+]
+
+#: (strategy, what it needs besides, argument, bad value) for the Lightning strategies' own
+#: arguments (``**strategy_kwargs``), which are passed on: refused on the driver too, not by
+#: Lightning or torch on every worker (or taken as something else: "no" is true).
+BAD_PASSED_ON: list[tuple[type, dict, str, object]] = [
+    *[(RaySGDStrategy, {}, "find_unused_parameters", v) for v in ("no", 1, None)],
+    *[(RaySGDStrategy, {}, "static_graph", v) for v in (1, "yes")],
+    *[(RaySGDStrategy, {}, "gradient_as_bucket_view", v) for v in (5, "x")],
+    *[(RaySGDStrategy, {}, "bucket_cap_mb", v) for v in ("x", 0, -1, NAN, INF, True)],
+    *[(RaySGDStrategy, {}, "ddp_comm_hook", v) for v in ("x", 1)],
+    *[(RaySGDStrategy, {}, "model_averaging_period", v) for v in (0, 1.5, "2")],
+    *[(RaySGDStrategy, {}, "accelerator", v) for v in ("gpu", "cpu")],
+    *[(RaySGDStrategy, {}, "checkpoint_io", v) for v in ("x", object())],
+    *[(RaySGDStrategy, {}, "precision_plugin", v) for v in ("x", "16-mixed")],
+    *[(RayModelParallelStrategy, {"num_workers": 4}, "data_parallel_size", v) for v in ("x", 0, 3)],
+    *[(RayModelParallelStrategy, {"num_workers": 4}, "tensor_parallel_size", v) for v in (-1, 2.0)],
+    (
+        RayModelParallelStrategy,
+        {"num_workers": (2, 4), "tensor_parallel_size": 1},
+        "data_parallel_size",
+        4,
+    ),
+    *[(RayModelParallelStrategy, {}, "save_distributed_checkpoint", v) for v in ("no", 0)],
+    *[(RayFSDPStrategy, {}, "sharding_strategy", v) for v in ("BOGUS", 1, "HYBRID_SHARD")],
+    *[(RayFSDPStrategy, {}, "state_dict_type", v) for v in ("bogus", "FULL")],
+    *[(RayFSDPStrategy, {}, "cpu_offload", v) for v in ("yes", 1)],
+    *[(RayFSDPStrategy, {}, "limit_all_gathers", v) for v in ("x",)],
 ]
 
 #: (field, bad value) for every field of TorchConfig.
@@ -119,6 +149,39 @@ def test_each_bad_argument_is_a_configuration_error_naming_it(
     with pytest.raises(ConfigurationError) as info:
         strategy(**kwargs)
     assert argument in str(info.value)
+    assert ray_calls == []
+
+
+@pytest.mark.parametrize(("strategy", "base", "argument", "value"), BAD_PASSED_ON, ids=_label)
+def test_each_bad_argument_passed_on_is_a_configuration_error_naming_it(
+    strategy, base, argument, value, ray_calls
+):
+    with pytest.raises(ConfigurationError) as info:
+        strategy(**{"use_gpu": strategy is not RaySGDStrategy, **base, argument: value})
+    assert argument in str(info.value)
+    assert ray_calls == []
+
+
+def test_nccl_is_refused_for_cpu_workers_and_taken_for_gpu_workers(ray_calls):
+    nccl = TorchConfig(backend="nccl")
+    with pytest.raises(ConfigurationError, match=r"backend='nccl'.*use_gpu=True"):
+        RaySGDStrategy(2, backend_config=nccl)
+    RaySGDStrategy(2, use_gpu=True, backend_config=nccl)
+    RaySGDStrategy(2, resources_per_worker={"GPU": 0.5}, backend_config=nccl)
+    assert ray_calls == []
+
+
+def test_good_values_passed_on_are_taken(ray_calls):
+    from torch.distributed.fsdp import CPUOffload
+
+    RaySGDStrategy(2, find_unused_parameters=True, bucket_cap_mb=25, static_graph=False)
+    RaySGDStrategy(2, bucket_cap_mb=0.5, model_averaging_period=4, ddp_comm_hook=print)
+    RayModelParallelStrategy(4, use_gpu=True, data_parallel_size=2, tensor_parallel_size=2)
+    RayModelParallelStrategy((2, 4), use_gpu=True, data_parallel_size="auto")
+    RayModelParallelStrategy(4, use_gpu=True, tensor_parallel_size=4)  # the other one: "auto"
+    for offload in (True, CPUOffload(offload_params=True)):
+        RayFSDPStrategy(2, use_gpu=True, sharding_strategy="shard_grad_op", cpu_offload=offload)
+    RayFSDPStrategy(2, use_gpu=True, state_dict_type="sharded")
     assert ray_calls == []
 
 

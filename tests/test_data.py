@@ -34,6 +34,7 @@ from ray_lightning_sgd._serialization import pack, unpack
 from ray_lightning_sgd.data import RayDataLoader
 from ray_lightning_sgd.lightning import RayDataModule as LRayDataModule
 from ray_lightning_sgd.lightning import RaySGDStrategy as LRaySGDStrategy
+from ray_lightning_sgd.pytorch_lightning import RayDataModule
 from tests.conftest import leftovers
 from tests.light_functions import scaled
 
@@ -301,6 +302,15 @@ def test_bad_loader_arguments_are_configuration_errors(kwargs, message):
         RayDataLoader(shard, **kwargs)
     with pytest.raises(ConfigurationError, match=r"takes a ray\.data\.Dataset, got list"):
         RayDataLoader([1, 2])
+
+
+def test_bad_datamodule_arguments_are_configuration_errors():
+    with pytest.raises(ConfigurationError, match=r"unknown options bogus;.*local_shuffle_seed"):
+        RayDataModule(bogus=1)
+    with pytest.raises(ConfigurationError, match="batch_size must be an int >= 1, got 'x'"):
+        RayDataModule(batch_size="x")
+    with pytest.raises(ConfigurationError, match="eval_batch_size must be an int >= 1, got 0"):
+        RayDataModule(eval_batch_size=0)
 
 
 def test_a_loader_knows_its_length_only_from_a_known_row_count():

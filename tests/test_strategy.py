@@ -247,7 +247,7 @@ def test_open_file_in_the_datamodule_is_named(ray_cluster, tmp_path):
             {"startup_timeout_s": -1},
             "startup_timeout_s must be a number of seconds > 0 and at most 1e+09, got -1",
         ),
-        ({"backend_config": "nccl"}, "backend_config must be a TorchConfig"),
+        ({"backend_config": "nccl"}, "backend_config must be ray_lightning_sgd's TorchConfig"),
         ({"process_group_backend": "gloo"}, "use backend_config=TorchConfig(backend=...)"),
         ({"find_unused_parameter": True}, "unknown argument find_unused_parameter=True"),
     ],

@@ -91,6 +91,26 @@ def test_bundles_of_an_enclosing_group_are_chosen_or_refused():
         bundles_for_workers(head_and_two, {"CPU": 1}, (8, 4))
 
 
-def test_report_hooks_are_checked():
-    with pytest.raises(ConfigurationError, match="on='test_end'"):
-        TuneReportCallback(on="test_end")
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"on": "test_end"}, "on='test_end'"),
+        ({"on": None}, "on=None"),
+        ({"on": 5}, "on=5"),
+        ({"metrics": 5}, "metrics=5"),
+        ({"metrics": ["acc", 1]}, "metrics="),
+        ({"metrics": {"acc": 1}}, "metrics="),
+        ({"save_checkpoints": "no"}, "save_checkpoints"),
+        ({"filename": "a/b.ckpt"}, "filename='a/b.ckpt'"),
+        ({"filename": "/tmp/abs.ckpt"}, "filename='/tmp/abs.ckpt'"),
+        ({"filename": ""}, "filename=''"),
+        ({"filename": None}, "filename=None"),
+        ({"filename": ".."}, "filename='..'"),
+    ],
+)
+def test_report_arguments_are_checked_where_the_callback_is_made(kwargs, named):
+    """Not at its first report, on a worker, mid-training (an absolute filename would have put
+    the checkpoint outside Tune's folder, and Tune would have got an empty one)."""
+    with pytest.raises(ConfigurationError) as info:
+        TuneReportCallback(**kwargs)
+    assert named in str(info.value)

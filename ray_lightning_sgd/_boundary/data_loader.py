@@ -11,6 +11,7 @@ through the driver.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Iterator, Mapping
@@ -189,8 +190,21 @@ class RayDataModuleBase:
     ) -> None:
         super().__init__()
         self.train, self.val, self.test, self.predict = train, val, test, predict
-        self.batch_size = batch_size
-        self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
+        self.batch_size = _count("batch_size", batch_size, minimum=1)
+        self.eval_batch_size = _count(
+            "eval_batch_size", batch_size if eval_batch_size is None else eval_batch_size, 1
+        )
+        takes = [
+            name
+            for name, param in inspect.signature(RayDataLoader.__init__).parameters.items()
+            if param.kind is param.KEYWORD_ONLY
+        ]
+        unknown = sorted(set(loader_options) - set(takes))
+        if unknown:
+            raise ConfigurationError(
+                f"RayDataModule got unknown options {', '.join(unknown)}; besides train, val, "
+                f"test, predict, batch_size and eval_batch_size it takes {', '.join(takes)}"
+            )
         self.loader_options = loader_options
         # what is wrong is said here, on the driver, not on a worker: one loader a stage
         for stage in ("train", "val", "test", "predict"):

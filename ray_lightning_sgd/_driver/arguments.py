@@ -30,15 +30,26 @@ OWNED_ARGS = {
     "start_method": "Ray starts the workers",
     "process_group_backend": "use backend_config=TorchConfig(backend=...)",
     "timeout": "use backend_config=TorchConfig(timeout_s=...)",
+    "accelerator": "use use_gpu=True for GPU workers (the driver needs none)",
 }
 
 
-def backend_config(config: Any) -> TorchConfig:
-    """``backend_config``, a :class:`TorchConfig` (the default one for None)."""
+def backend_config(config: Any, use_gpu: bool) -> TorchConfig:
+    """``backend_config``, a :class:`TorchConfig` (the default one for None); NCCL only for GPU
+    workers."""
     config = TorchConfig() if config is None else config
     if not isinstance(config, TorchConfig):
+        kind = type(config)
         raise ConfigurationError(
-            f"backend_config must be a TorchConfig, got {type(config).__name__}"
+            f"backend_config must be ray_lightning_sgd's TorchConfig, got {config!r} "
+            f"({kind.__module__}.{kind.__qualname__}); pass "
+            "backend_config=ray_lightning_sgd.TorchConfig(backend=..., timeout_s=...)"
+        )
+    if config.backend == "nccl" and not use_gpu:
+        raise ConfigurationError(
+            "backend_config=TorchConfig(backend='nccl') runs on GPU workers only, and these "
+            "workers have no GPU: pass use_gpu=True (or GPUs in resources_per_worker), or "
+            "backend='gloo' for CPU workers"
         )
     return config
 
@@ -164,6 +175,13 @@ def resources(
             f"got {resources_per_worker!r}"
         )
     resources = dict(resources_per_worker)
+    for key in resources:
+        if isinstance(key, str) and key.upper() in ("CPU", "GPU") and key != key.upper():
+            raise ConfigurationError(
+                f"resources_per_worker={dict(resources_per_worker)} names {key!r}; Ray's "
+                f"resource names are case-sensitive, and {key!r} would be a custom resource no "
+                f"node has: write {key.upper()!r}"
+            )
     if num_cpus_per_worker is not None:
         if "CPU" in resources and resources["CPU"] != num_cpus_per_worker:
             raise ConfigurationError(
@@ -216,23 +234,103 @@ def check_strategy_kwargs(
     An argument given with its default value is dropped: LightningCLI passes every argument it
     finds behind ``**kwargs`` with its default.
     """
-    accepted = {p.name for p in passed_on(strategy, module)}
     defaults = {
         **(_defaults(vars(module)["__init__"]) if module is not None else {}),
         **_defaults(vars(strategy)["__init__"]),
     }
     kwargs = {key: value for key, value in kwargs.items() if not _is_default(value, key, defaults)}
-    for key in kwargs:
+    params = {p.name: p for p in passed_on(strategy, module)}
+    for key, value in kwargs.items():
         if key in OWNED_ARGS:
+            raise ConfigurationError(f"{name} does not take {key}={value!r}: {OWNED_ARGS[key]}")
+        if key not in params:
             raise ConfigurationError(
-                f"{name} does not take {key}={kwargs[key]!r}: {OWNED_ARGS[key]}"
+                f"{name} got an unknown argument {key}={value!r}; besides the worker "
+                f"arguments it takes {', '.join(sorted(params))}"
             )
-        if key not in accepted:
+        wanted = _TAKES.get(key) or _what_it_takes(params[key].annotation, defaults.get(key))
+        if wanted is not None and not wanted[0](value):
             raise ConfigurationError(
-                f"{name} got an unknown argument {key}={kwargs[key]!r}; besides the worker "
-                f"arguments it takes {', '.join(sorted(accepted))}"
+                f"{name} takes {key} as {wanted[1]}, got {value!r} ({type(value).__name__})"
             )
     return kwargs
+
+
+#: Arguments passed on whose annotations do not say what they take (torch's DDP has none).
+_TAKES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "bucket_cap_mb": (
+        lambda v: v is None or (_is_number(v) and math.isfinite(v) and v > 0),
+        "a number of MB > 0",
+    ),
+    "model_averaging_period": (
+        lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+        "an int >= 1",
+    ),
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _what_it_takes(annotation: Any, default: Any) -> tuple[Callable[[Any], bool], str] | None:
+    """A test of a value for an argument passed on, and its description; None: not known (such
+    a value goes to Lightning as it is)."""
+    parts = _simple_types(annotation)
+    if parts is None:  # no annotation that says: the default's kind, when a flag or a number
+        if isinstance(default, bool):
+            return (lambda v: isinstance(v, bool)), "True or False"
+        if _is_number(default):
+            return (lambda v: _is_number(v) and math.isfinite(v)), "a finite number"
+        return None
+    names = []
+    for part in parts:
+        if isinstance(part, tuple):
+            names.append(" or ".join(repr(choice) for choice in part))
+        else:
+            names.append({type(None): "None"}.get(part, getattr(part, "__name__", str(part))))
+    return (lambda v: any(_takes(part, v) for part in parts)), " or ".join(names)
+
+
+def _takes(part: Any, value: Any) -> bool:
+    if isinstance(part, tuple):  # a Literal's choices
+        return any(value == choice and type(value) is type(choice) for choice in part)
+    if part is callable:
+        return callable(value)
+    if part is bool:
+        return isinstance(value, bool)
+    if part in (int, float):
+        integral = isinstance(value, int) and not isinstance(value, bool)
+        return integral or (part is float and isinstance(value, float) and math.isfinite(value))
+    return isinstance(value, part)
+
+
+def _simple_types(annotation: Any) -> list[Any] | None:
+    """``annotation`` as the classes (a Literal as a tuple of its choices, a Callable as
+    ``callable``) whose values it takes; None where it is anything else (Any, generics)."""
+    import collections.abc
+    import types
+
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        parts: list[Any] = []
+        for arg in typing.get_args(annotation):
+            inner = _simple_types(arg)
+            if inner is None:
+                return None
+            parts.extend(inner)
+        return parts
+    if origin is typing.Literal:
+        return [typing.get_args(annotation)]
+    if annotation is collections.abc.Callable or origin is collections.abc.Callable:
+        return [callable]
+    if annotation is type(None) or annotation is None:
+        return [type(None)]
+    if annotation in (Any, object):
+        return None
+    if isinstance(annotation, type) and origin is None:
+        return [annotation]
+    return None
 
 
 #: Arguments of the module wrapper (DDP, FSDP) that Lightning's strategy sets itself.

@@ -116,6 +116,13 @@ def _check_storage(storage: Any) -> None:
             f"pathlib.Path), or None, got {storage!r}"
         )
     if "://" not in storage:
+        scheme = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]+):/*", storage)
+        if scheme and not os.path.exists(scheme.group(1) + ":"):  # a local "name:" folder stays
+            raise ConfigurationError(
+                f"checkpoint_storage={storage!r} reads as a URI without '://' (it would be a "
+                f"local folder named {scheme.group(1) + ':'!r}); write "
+                f"{scheme.group(1)}://{storage[scheme.end() :]}"
+            )
         return
     import fsspec  # only where a URI is given
 

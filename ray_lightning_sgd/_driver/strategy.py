@@ -215,7 +215,6 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         self._reuse_workers = flag("reuse_workers", reuse_workers)
         self._debug = flag("debug", debug)
         self._return_weights = flag("return_weights", return_weights)
-        self._backend_config = backend_config = arguments.backend_config(backend_config)
         strategy_kwargs = arguments.check_strategy_kwargs(
             strategy_kwargs, type(self).__name__, self.lightning_strategy(), self.module_wrapper()
         )
@@ -233,13 +232,26 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             startup_timeout_s=startup_timeout_s,
             ship_driver_code=ship_driver_code,
         )
+        self._backend_config = backend_config = arguments.backend_config(
+            backend_config, self._worker_group_config.use_gpu
+        )
         self._precision_request: PrecisionRequest | None = None
         self._check_workers()
-        super().__init__(
-            process_group_backend=backend_config.backend,
-            timeout=timedelta(seconds=backend_config.timeout_s),
-            **strategy_kwargs,
-        )
+        self._check_strategy_kwargs(strategy_kwargs)
+        try:
+            super().__init__(
+                process_group_backend=backend_config.backend,
+                timeout=timedelta(seconds=backend_config.timeout_s),
+                **strategy_kwargs,
+            )
+        except ConfigurationError:
+            raise
+        except Exception as err:  # what Lightning's constructor refuses, said so
+            given = ", ".join(f"{key}={value!r}" for key, value in strategy_kwargs.items())
+            raise ConfigurationError(
+                f"{type(self).__name__}: Lightning's {self.lightning_strategy().__name__} "
+                f"refuses {given or 'its arguments'}: {type(err).__name__}: {err}"
+            ) from err
         self.cluster_environment = self.environment_class(most)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -263,6 +275,10 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
 
     def _check_workers(self) -> None:
         """Raises for worker settings that this kind of strategy cannot run."""
+
+    def _check_strategy_kwargs(self, strategy_kwargs: dict[str, Any]) -> None:
+        """Raises for values of the Lightning strategy's own arguments (those given, not left
+        at their defaults) that it would refuse only later, or on the workers."""
 
     # Lightning's accelerator connector reads the strategy's precision plugin while it parses the
     # Trainer's arguments, right after it has the user's precision, and before it adapts the

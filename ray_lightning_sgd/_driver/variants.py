@@ -11,6 +11,8 @@ worker half and that namespace's Lightning strategy.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -86,6 +88,37 @@ class RayModelParallelStrategyBase(_ShardedBase):
             raise ConfigurationError(f"{type(self).__name__} on CPU workers: {problem}")
         super()._check_workers()
 
+    @override
+    def _check_strategy_kwargs(self, strategy_kwargs: dict[str, Any]) -> None:
+        sizes = {
+            key: strategy_kwargs.get(key, "auto")
+            for key in ("data_parallel_size", "tensor_parallel_size")
+        }
+        for key, size in sizes.items():
+            whole = isinstance(size, int) and not isinstance(size, bool)
+            if size != "auto" and not (whole and size >= 1):
+                raise ConfigurationError(f"{key} must be 'auto' or an int >= 1, got {size!r}")
+        data, tensor = sizes.values()
+        config = self._worker_group_config
+        elastic = " (a size this elastic run may take)" if config.sizes else ""
+        for workers in config.sizes or (config.num_workers,):
+            if data == "auto" and tensor == "auto":
+                return  # resolved on the workers from the nodes they landed on, as Lightning does
+            if data == "auto" or tensor == "auto":  # the other one: workers / this one
+                key, size = next((k, v) for k, v in sizes.items() if v != "auto")
+                if workers % size:
+                    raise ConfigurationError(
+                        f"{key}={size} must divide the number of workers, {workers}{elastic}: "
+                        "data_parallel_size x tensor_parallel_size is the number of workers; "
+                        "change it, or leave it at 'auto'"
+                    )
+            elif data * tensor != workers:
+                raise ConfigurationError(
+                    f"data_parallel_size={data} x tensor_parallel_size={tensor} must equal the "
+                    f"number of workers, {workers}{elastic}; change one of them, or leave them "
+                    "at 'auto'"
+                )
+
 
 class RayFSDPStrategyBase(_ShardedBase):
     """Lightning's ``FSDPStrategy`` (FSDP1: ``auto_wrap_policy``, activation checkpointing, CPU
@@ -109,6 +142,31 @@ class RayFSDPStrategyBase(_ShardedBase):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel
+
+    @override
+    def _check_strategy_kwargs(self, strategy_kwargs: dict[str, Any]) -> None:
+        # what Lightning's FSDPStrategy takes as given and refuses only on the workers
+        state_dict_type = strategy_kwargs.get("state_dict_type", "full")
+        if state_dict_type not in ("full", "sharded"):
+            raise ConfigurationError(
+                f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}"
+            )
+        from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+
+        sharding = strategy_kwargs.get("sharding_strategy", "FULL_SHARD")
+        names = list(ShardingStrategy.__members__)
+        if not isinstance(sharding, ShardingStrategy) and not (
+            isinstance(sharding, str) and sharding.upper() in names
+        ):
+            raise ConfigurationError(
+                f"sharding_strategy must be one of {', '.join(names)} (or torch's "
+                f"ShardingStrategy), got {sharding!r}"
+            )
+        offload = strategy_kwargs.get("cpu_offload")
+        if offload is not None and not isinstance(offload, (bool, CPUOffload)):
+            raise ConfigurationError(
+                f"cpu_offload must be True, False or torch's CPUOffload(...), got {offload!r}"
+            )
 
     @override
     def _check_workers(self) -> None:

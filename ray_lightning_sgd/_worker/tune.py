@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd._boundary.tune import report_to_tune
 from ray_lightning_sgd._worker.events import send_to_driver
+from ray_lightning_sgd._worker_group.config import flag
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
@@ -21,6 +22,25 @@ if TYPE_CHECKING:
 
 #: The hooks at which TuneReportCallback can report.
 REPORT_ON = ("validation_end", "train_epoch_end")
+
+
+def _metric_names(metrics: Any) -> dict[str, str] | None:
+    """``metrics`` as Tune's name to Lightning's (None: all); raises unless names are strings."""
+    if metrics is None:
+        return None
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    if isinstance(metrics, (list, tuple)):
+        metrics = {name: name for name in metrics}
+    if not isinstance(metrics, Mapping) or not all(
+        isinstance(key, str) and isinstance(value, str) and key and value
+        for key, value in metrics.items()
+    ):
+        raise ConfigurationError(
+            f"TuneReportCallback(metrics={metrics!r}): a metric's name, a list of names, a dict "
+            "of Tune's name to the name the model logs, or None for all of them"
+        )
+    return dict(metrics)
 
 
 class TuneReportCallbackBase:
@@ -44,19 +64,21 @@ class TuneReportCallbackBase:
         filename: str = "checkpoint.ckpt",
     ) -> None:
         super().__init__()
-        if isinstance(metrics, str):
-            metrics = [metrics]
-        if metrics is not None and not isinstance(metrics, Mapping):
-            metrics = {name: name for name in metrics}
-        self._metrics: dict[str, str] | None = None if metrics is None else dict(metrics)
-        hooks = [on] if isinstance(on, str) else list(on)
+        self._metrics = _metric_names(metrics)
+        hooks = [on] if isinstance(on, str) else list(on) if isinstance(on, (list, tuple)) else []
         unknown = [hook for hook in hooks if hook not in REPORT_ON]
         if unknown or not hooks:
             raise ConfigurationError(
                 f"TuneReportCallback(on={on!r}): report on one or both of {', '.join(REPORT_ON)}"
             )
         self._on = frozenset(hooks)
-        self._save_checkpoints = bool(save_checkpoints)
+        self._save_checkpoints = flag("save_checkpoints", save_checkpoints)
+        plain = isinstance(filename, str) and os.path.basename(filename) == filename
+        if not plain or filename in ("", ".", ".."):
+            raise ConfigurationError(
+                f"TuneReportCallback(filename={filename!r}): a file name without folders, such "
+                "as 'checkpoint.ckpt' (the checkpoint goes into the folder Tune gives it)"
+            )
         self._filename = filename
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:

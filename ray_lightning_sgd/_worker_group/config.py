@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -152,8 +153,19 @@ class WorkerGroupConfig:
             raise ConfigurationError(
                 f"ship_driver_code must be True or False, got {self.ship_driver_code!r}"
             )
-        if self.init_hook is not None and not callable(self.init_hook):
-            raise ConfigurationError(f"init_hook must be callable, got {self.init_hook!r}")
+        if self.init_hook is not None:
+            if not callable(self.init_hook):
+                raise ConfigurationError(f"init_hook must be callable, got {self.init_hook!r}")
+            try:
+                inspect.signature(self.init_hook).bind()
+            except TypeError as err:
+                raise ConfigurationError(
+                    f"init_hook is called with no arguments on every worker, and "
+                    f"{self.init_hook!r} needs some ({err}); pass a function that takes none, "
+                    "such as functools.partial(hook, value)"
+                ) from None
+            except ValueError:  # no signature to read (some builtins): it is called as it is
+                pass
         timeout_problem = seconds_problem(self.startup_timeout_s)
         if timeout_problem is not None:
             raise ConfigurationError(f"startup_timeout_s {timeout_problem}")
