@@ -35,6 +35,7 @@ with _collector_paused():
         ResourcesUnavailableError,
         SerializationError,
         WorkerDiedError,
+        WorkerError,
         WorkerGroupError,
         WorkerTimeoutError,
     )
@@ -117,6 +118,7 @@ __all__ = [
     "TorchConfig",
     "WorkerContext",
     "WorkerDiedError",
+    "WorkerError",
     "WorkerGroup",
     "WorkerGroupConfig",
     "WorkerGroupError",

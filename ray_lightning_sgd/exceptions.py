@@ -45,6 +45,13 @@ class WorkerGroupError(RaySGDError):
     """The worker group is in a state that forbids the call."""
 
 
+class WorkerError(RaySGDError):
+    """An exception raised by code on a worker that cannot travel to the driver as itself (it
+    does not pickle, or does not unpickle: an ``__init__`` that takes other arguments than the
+    exception's ``args``). Its message names the original type and message; its notes name the
+    rank and hold the worker's traceback. Never retried, as the exception itself would not be."""
+
+
 class WorkerDiedError(WorkerGroupError):
     """A worker's process died (or its node left the cluster) while it ran a call."""
 

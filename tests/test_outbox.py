@@ -30,7 +30,9 @@ def test_opening_for_a_new_call_empties_the_outbox():
     outbox.put_latest("where", ("training", 1))
     outbox.open("call-2")
     mail = outbox.take()
-    assert mail == ("call-2", {}, {}, {}, {})
+    assert mail == ("call-2", {}, {}, {}, {}, True)
+    outbox.close()
+    assert outbox.take().running is False, "the driver learns that the call ended"
 
 
 def test_a_value_is_delivered_once_the_driver_acknowledges_it():

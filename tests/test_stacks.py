@@ -73,6 +73,33 @@ def test_the_hook_is_the_one_lightning_called_last():
     assert stack is not None and stack.hook == "training_step"
 
 
+def _torchs(path: tuple[str, ...], name: str):
+    """A function ``name`` of torch's file ``path`` that waits (as DDP's broadcast of buffers
+    or a functional collective's wait do, in C++, for the other ranks)."""
+    code = f"def {name}(ready, release):\n    ready.set()\n    release.wait(30)\n"
+    space: dict = {}
+    exec(compile(code, os.path.join("site-packages", "torch", *path), "exec"), space)
+    return space[name]
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        (("nn", "parallel", "distributed.py"), "_distributed_broadcast_coalesced"),
+        (("distributed", "_functional_collectives.py"), "wait_tensor"),
+        (("distributed", "fsdp", "_fully_shard", "_fsdp_param_group.py"), "wait_for_unshard"),
+    ],
+)
+def test_a_rank_waiting_in_torchs_collectives_outside_c10d_is_in_a_collective(path, name):
+    thread, release = _in_a_thread(_torchs(path, name))
+    try:
+        stack = stack_of(thread.ident)
+    finally:
+        release.set()
+    assert stack is not None and stack.collective is not None
+    assert stack.collective.startswith(f"{name} (torch{os.sep}") and path[-1] in stack.collective
+
+
 def test_the_report_says_which_ranks_wait_in_a_collective_and_which_do_not():
     waiting = ThreadStack("  File ...\n", "training_step", "all_gather", "model.py:3 in step")
     elsewhere = ThreadStack("  File ...\n", "on_train_batch_end", None, "loader.py:9 in fetch")
@@ -158,6 +185,32 @@ def test_sigusr1_handled_outside_python_is_left_alone(monkeypatch):
         pass
     monkeypatch.undo()
     assert signal.getsignal(signal.SIGUSR1) is before and called == []
+
+
+def test_a_handler_installed_in_c_still_runs_after_a_launch():
+    """faulthandler.register's handler (C) reads as SIG_DFL from Python; replaced by ours and
+    then by SIG_DFL, the user's next SIGUSR1 (or SIGTERM) would have ended the process."""
+    import subprocess
+    import sys
+
+    script = (
+        "import faulthandler, os, signal, time\n"
+        "from ray_lightning_sgd._driver import signals\n"
+        "for number in (signal.SIGUSR1, signal.SIGTERM):\n"
+        "    faulthandler.register(number)\n"
+        "with signals.sigusr1_calls(lambda: print('ours')):\n"
+        "    with signals.sigterm_raises(SystemExit):\n"
+        "        pass\n"
+        "for number in (signal.SIGUSR1, signal.SIGTERM):\n"
+        "    os.kill(os.getpid(), number)\n"
+        "time.sleep(0.2)\n"
+        "print('alive')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "alive" and done.stderr.count("most recent call first") == 2
 
 
 def _scheduled_inbox(monkeypatch, workers: int) -> tuple[RunInbox, list[int], list[float]]:
@@ -270,6 +323,49 @@ def test_a_rank_that_only_looks_silent_is_asked_before_the_timeout_fails_the_cal
     inbox._failing_since[8] -= 6.0  # its polls failed for 6 s
     with pytest.raises(WorkerTimeoutError, match="rank 8"):
         inbox._check(inbox._now())
+
+
+def test_the_automatic_hang_window_follows_the_steps_not_how_seldom_a_rank_is_asked():
+    """In a group of 1001 a rank but rank 0 is asked every 100 s: the waits it reports are its
+    steps' (50 ms), and the window stays at its floor, not 20 x 100 s (past the process group's
+    30-minute timeout, when the report would never come)."""
+    from ray_lightning_sgd._driver.inbox import HANG_REPORT_FLOOR_S
+
+    inbox = RunInbox(None, None, Run())
+    inbox._progress_at, inbox._last_at = {900: 0.0}, {900: ("start", 0)}
+    for poll in range(1, 6):
+        inbox._wall = lambda poll=poll: 100.0 * poll  # type: ignore[method-assign]
+        latest = {PROGRESS: ("training", 2000 * poll, 0.05)}
+        inbox._deliver(900, Mail("", {}, latest, {PROGRESS: 0.05}, {PROGRESS: poll}), False)
+    assert inbox._last_at[900] == ("training", 10000)
+    assert inbox.hang_window_s() == HANG_REPORT_FLOOR_S
+    slow = {PROGRESS: ("training", 10001, 40.0)}  # a 40 s step: 20 x 40 s
+    inbox._deliver(900, Mail("", {}, slow, {PROGRESS: 0.0}, {PROGRESS: 6}), False)
+    assert inbox.hang_window_s() == 800.0
+
+
+def test_a_rank_whose_call_ended_is_not_silent_while_the_others_still_run(monkeypatch):
+    """predict with Ray Data: ranks read different numbers of rows, and Lightning's predict has
+    no barrier at its end; a rank that returned long before the others is not a stall."""
+    from ray_lightning_sgd.exceptions import WorkerTimeoutError
+
+    inbox, asked, clock = _scheduled_inbox(monkeypatch, 3)
+    monkeypatch.undo()  # the real check, the fake clock
+    monkeypatch.setattr(inbox, "_wall", lambda: clock[0])
+    monkeypatch.setattr(inbox, "_ask", lambda rank: asked.append(rank) or f"poll {rank}")
+    monkeypatch.setattr(inbox, "stacks", lambda: [])
+    inbox.progress_timeout_s = 30.0
+    inbox._run.metadata = []
+    now = inbox._now()
+    inbox._progress_at = {0: now, 1: now - 40.0, 2: now - 40.0}
+    inbox._answered_at = dict.fromkeys((0, 1, 2), now)
+    inbox._deliver(1, Mail("call", {}, {}, {PROGRESS: 40.0}, {}, running=False), False)
+    inbox._deliver(2, Mail("call", {}, {}, {PROGRESS: 40.0}, {}, running=True), False)
+    with pytest.raises(WorkerTimeoutError, match="rank 2") as info:
+        inbox._check(inbox._now())
+    assert "rank 1" not in str(info.value).split("Every rank")[0]
+    inbox._deliver(2, Mail("call", {}, {}, {PROGRESS: 40.0}, {}, running=False), False)
+    inbox._check(inbox._now())  # both ended: nothing silent
 
 
 def test_news_answers_of_this_attempt_poll_their_rank_and_a_failed_question_is_put_again(

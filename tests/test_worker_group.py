@@ -16,6 +16,7 @@ from ray_lightning_sgd import (
     ConfigurationError,
     ResourcesUnavailableError,
     WorkerDiedError,
+    WorkerError,
     WorkerGroup,
     WorkerGroupConfig,
     WorkerGroupError,
@@ -37,6 +38,18 @@ def _boom(rank_to_fail: int):
     if get_worker_context().rank.global_rank == rank_to_fail:
         raise KeyError("only on one rank")
     time.sleep(60)  # the other rank would wait here; the driver must not
+
+
+class _BadBatch(Exception):
+    """A user's exception as it is often written: its __init__ takes other arguments than the
+    message it passes on, so it pickles but does not unpickle."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"batch {index}: {reason}")
+
+
+def _bad_batch():
+    raise _BadBatch(3, "empty")
 
 
 @pytest.mark.parametrize(
@@ -79,7 +92,7 @@ def test_constructors_touch_no_ray_state():
 def test_execute_runs_everywhere_in_rank_order_and_errors_name_their_rank(free_cluster):
     # Ray's errors for a lost object (its node left before the driver fetched it) name no actor;
     # the rank comes from the task that made the object
-    from ray.exceptions import ObjectLostError
+    from ray.exceptions import ObjectLostError, UnserializableException
 
     from ray_lightning_sgd._worker_group.errors import actor_of, translate
 
@@ -111,6 +124,16 @@ def test_execute_runs_everywhere_in_rank_order_and_errors_name_their_rank(free_c
             translate(ObjectLostError(plain.hex(), "", ""), group.metadata, actor_of(plain)).rank
             == -1
         )
+
+        # an exception that cannot be unpickled on the driver is the call's error that names
+        # it, not a lost worker (which a restart would retry)
+        with pytest.raises(WorkerError, match=r"_BadBatch: batch 3: empty") as bad:
+            group.execute_single(1, _bad_batch)
+        assert "Raised on rank 1" in "\n".join(bad.value.__notes__)
+        unpickled = translate(
+            UnserializableException("Traceback ..."), group.metadata, group.metadata[1].actor_id
+        )
+        assert isinstance(unpickled, WorkerError) and "rank 1" in str(unpickled)
 
         # a failing rank reaches the driver at once (rank 0 still runs: last), with the
         # worker's traceback

@@ -20,7 +20,8 @@ CALL = "__call__"
 #: The outbox channel of output lines: (stream name, line).
 OUTPUT = "output"
 
-#: The outbox channel of a rank's progress: (stage, step).
+#: The outbox channel of a rank's progress: (stage, step, the rank's longest wait between two of
+#: its reports so far, in seconds).
 PROGRESS = "progress"
 
 #: The outbox channel of a rank's step times: (training steps timed, the median seconds waiting

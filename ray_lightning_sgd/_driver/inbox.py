@@ -120,11 +120,10 @@ class RunInbox:
         self.hang_report_after_s = hang_report_after_s
         #: Set (by the driver's SIGUSR1 handler) to have the next pump print every stack.
         self.stacks_wanted = False
-        # the longest wait between two progress reports of a rank, and whether the hang
-        # report was logged since the last progress
+        # the longest wait between two progress reports of a rank (as the ranks measure them),
+        # and whether the hang report was logged since the last progress
         self._longest_wait = 0.0
         self._hang_reported = False
-        self._reported: set[int] = set()
         #: The running attempt's step times by rank, and its straggler.
         self.stragglers = StragglerWatch()
         self._run = run
@@ -136,6 +135,7 @@ class RunInbox:
         self._asked_at: dict[int, float] = {}
         self._answered_at: dict[int, float] = {}
         self._failing_since: dict[int, float] = {}  # since when each rank's polls fail
+        self._done: set[int] = set()  # the ranks whose call has ended: silent by right
         # the standing news questions (one per rank other than 0), the ranks whose answer came
         # (with the attempt they belong to; appended by Ray's callback thread), and the ranks
         # to ask again once their poll's answer arrived
@@ -164,6 +164,7 @@ class RunInbox:
         self._group, self._call_id = group, call_id
         self._asked, self._asked_at, self._answered_at = {}, {}, {}
         self._failing_since = {}
+        self._done = set()
         self._attempt += 1
         self._news, self._ask_news_again, self._news_retry = {}, set(), {}
         self._news_came.clear()
@@ -179,7 +180,6 @@ class RunInbox:
         self._progress_at = dict.fromkeys(range(len(group)), now)
         self._last_at = dict.fromkeys(range(len(group)), ("start", 0))
         self._acknowledged = {rank: {} for rank in range(len(group))}
-        self._reported = set()  # the ranks that reported progress in this attempt
         self._hang_reported = False
         self.stragglers = StragglerWatch()
         for rank, meta in enumerate(self._run.metadata):  # each file says whose output it is
@@ -358,6 +358,8 @@ class RunInbox:
         self._failing_since.pop(rank, None)
         if mail.call_id != self._call_id:
             return  # a warm worker's previous call, or this one not yet begun
+        if not mail.running:
+            self._done.add(rank)  # its result waits: it makes no more progress, by right
         lines = mail.items.get(OUTPUT)
         if lines:
             self._printer.write(rank, lines)
@@ -375,11 +377,11 @@ class RunInbox:
             # its age when the worker answered: an answer the driver takes late (it was busy)
             # must not move the rank's progress later than it was
             at = self._now() - mail.ages[PROGRESS]
-            if rank in self._reported and at > self._progress_at[rank]:
-                self._longest_wait = max(self._longest_wait, at - self._progress_at[rank])
-            self._reported.add(rank)
+            stage, step, *longest = mail.latest[PROGRESS]
+            if longest:
+                self._longest_wait = max(self._longest_wait, longest[0])
             self._progress_at[rank] = at
-            self._last_at[rank] = mail.latest[PROGRESS]
+            self._last_at[rank] = (stage, step)
         if TIMINGS in mail.latest:
             where = _rank_on_node(self._run.metadata, rank)
             self.stragglers.update(rank, where, *mail.latest[TIMINGS])
@@ -418,7 +420,7 @@ class RunInbox:
             return
         quiet = []
         for rank, at in sorted(self._progress_at.items()):
-            if now - at <= timeout:
+            if now - at <= timeout or rank in self._done:
                 continue
             # what the driver knows may be old (a large group's ranks are asked seldom): only
             # an answer that shows the silence, or polls unanswered or failing for

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,7 +27,7 @@ def sigterm_raises(exception: type[BaseException]) -> Iterator[None]:
         yield
         return
     previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN or previous is None:
+    if previous is signal.SIG_IGN or previous is None or _handled_outside_python(signal.SIGTERM):
         yield
         return
 
@@ -47,6 +48,26 @@ def sigterm_raises(exception: type[BaseException]) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _handled_outside_python(number: int) -> bool:
+    """Whether a handler that Python does not know of takes signal ``number``: one installed in
+    C, such as ``faulthandler.register``'s, which ``signal.getsignal`` shows as ``SIG_DFL`` and
+    ``signal.signal`` would replace for good. Read from the kernel (Linux); False where it
+    cannot be read."""
+    if signal.getsignal(number) is not signal.SIG_DFL:
+        return False  # Python's own handler (the kernel has Python's trampoline), or ignored
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        action = ctypes.create_string_buffer(256)  # struct sigaction: its handler comes first
+        if libc.sigaction(number, None, action) != 0:
+            return False
+        handler = int.from_bytes(action.raw[: ctypes.sizeof(ctypes.c_void_p)], sys.byteorder)
+    except (OSError, AttributeError):
+        return False
+    return handler != 0  # SIG_DFL is 0
+
+
 def _from_ray(handler: Callable[..., Any]) -> bool:
     return getattr(handler, "__module__", "").split(".")[0] == "ray"
 
@@ -61,7 +82,7 @@ def sigusr1_calls(action: Callable[[], None]) -> Iterator[None]:
         yield
         return
     previous = signal.getsignal(number)
-    if previous is None:  # installed outside Python: it could not be put back
+    if previous is None or _handled_outside_python(number):  # it could not be put back
         yield
         return
 

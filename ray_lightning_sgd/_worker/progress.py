@@ -35,9 +35,18 @@ class ProgressReporterBase:
         self._ended: float | None = None  # when the previous batch ended
         self._started: float | None = None  # when this batch started (None: not timed)
         self._backward: float | None = None  # when its backward started
+        # when this rank last reported, and its longest wait between two reports so far
+        self._reported_at: float | None = None
+        self._longest_wait = 0.0
 
     def _report(self, stage: str, step: int) -> None:
-        get_outbox().put_latest(PROGRESS, (stage, step))
+        # the wait measured here, not where the driver sees it: the driver asks each rank but
+        # rank 0 seldom in a large group (every N/10 s), which its view of the wait would add
+        now = time.perf_counter()
+        if self._reported_at is not None:
+            self._longest_wait = max(self._longest_wait, now - self._reported_at)
+        self._reported_at = now
+        get_outbox().put_latest(PROGRESS, (stage, step, self._longest_wait))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._report(f"setup ({getattr(stage, 'value', stage)})", 0)

@@ -12,7 +12,7 @@ from ray_lightning_sgd._compat import ray as _compat_ray
 from ray_lightning_sgd._compat import torch as _compat_torch
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, rank_on_node
 from ray_lightning_sgd._worker_group.worker import IN_COLLECTIVE
-from ray_lightning_sgd.exceptions import WorkerDiedError, WorkerGroupError
+from ray_lightning_sgd.exceptions import WorkerDiedError, WorkerError, WorkerGroupError
 
 # how long an error of a collective (gloo/NCCL lost its peer) waits for Ray to name the dead peer
 _PEER_LOSS_GRACE_S = 5.0
@@ -77,6 +77,16 @@ def translate(err: RayError, metadata: Sequence[WorkerMetadata], actor_id: str) 
             err = cause
         else:
             return WorkerGroupError(f"a call on a worker failed: {err}")
+    unpickled = getattr(ray.exceptions, "UnserializableException", None)
+    if unpickled is not None and isinstance(err, unpickled):
+        # the worker's exception arrived but would not unpickle here: an error of the call, not
+        # a lost worker (the workers send a stand-in for those they can tell: WorkerError)
+        index = next((i for i, m in enumerate(metadata) if m.actor_id == actor_id), None)
+        meta = metadata[index] if index is not None else None
+        return WorkerError(
+            f"{rank_on_node(index, meta)} raised an exception that cannot be unpickled on the "
+            f"driver: {err}"
+        )
     died = isinstance(err, RayActorError)
     if isinstance(err, RayActorError) and err.actor_id:
         actor_id = err.actor_id

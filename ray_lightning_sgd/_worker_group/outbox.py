@@ -40,6 +40,8 @@ class Mail(NamedTuple):
     ages: dict[str, float]
     #: The number of each latest value in ``latest`` (to acknowledge it in a later poll).
     sequences: dict[str, int]
+    #: Whether the call ``call_id`` still runs (False: it ended, its result waits or went).
+    running: bool = True
 
 
 class Outbox:
@@ -167,7 +169,7 @@ class Outbox:
                     latest[channel], sequences[channel] = value, sequence
                     self._latest[channel] = (None, put_at, sequence, True)
             self._lock.notify_all()  # a waiting writer checks the acknowledgements
-            return Mail(self._call_id, items, latest, ages, sequences)
+            return Mail(self._call_id, items, latest, ages, sequences, self._running)
 
 
 _outbox = Outbox()

@@ -19,6 +19,8 @@ from types import FrameType
 _DISTRIBUTED = os.sep.join(("torch", "distributed", ""))
 #: Lightning's module that calls every hook (both namespaces).
 _LIGHTNING_CALLS = os.sep.join(("trainer", "call.py"))
+#: DDP's module wrapper, whose forward broadcasts the buffers of rank 0 (BatchNorm's statistics).
+_DDP = os.sep.join(("torch", "nn", "parallel", "distributed.py"))
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ def describe(frame: FrameType) -> ThreadStack:
     collective = collectives[0] if collectives else None
     if collective is None and entries and entries[-1].name == "_engine_run_backward":
         collective = "backward (DDP's all-reduce of gradients, or the backward itself)"
+    if collective is None:
+        collective = _waiting_inside_torch_distributed(entries)
     user = next(
         (
             f"{entry.filename}:{entry.lineno} in {entry.name}"
@@ -83,6 +87,20 @@ def describe(frame: FrameType) -> ThreadStack:
     first = next((i for i, e in enumerate(entries) if not _is_runner(e.filename)), 0)
     shown = traceback.format_list(entries[first:])
     return ThreadStack("".join(shown), hook, collective, user)
+
+
+def _waiting_inside_torch_distributed(entries: traceback.StackSummary) -> str | None:
+    """The innermost library frames of a stack, where they wait on the other ranks outside
+    c10d's own functions: DDP's broadcast of buffers before each forward, a functional
+    collective's wait (DTensor, tensor parallelism), FSDP's own all-gathers."""
+    for entry in reversed(entries):
+        if not _is_library(entry.filename):
+            return None
+        ddp = entry.filename.endswith(_DDP) and ("broadcast" in entry.name or "sync" in entry.name)
+        if ddp or _DISTRIBUTED in entry.filename:
+            where = entry.filename[entry.filename.rfind(os.sep + "torch" + os.sep) + 1 :]
+            return f"{entry.name} ({where})"
+    return None
 
 
 def _is_runner(filename: str) -> bool:

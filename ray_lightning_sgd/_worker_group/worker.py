@@ -18,6 +18,7 @@ from ray_lightning_sgd._worker_group.context import current_context
 from ray_lightning_sgd._worker_group.outbox import Mail, get_outbox
 from ray_lightning_sgd._worker_group.ranks import WorkerMetadata, rank_on_node
 from ray_lightning_sgd._worker_group.stacks import ThreadStack, stack_of
+from ray_lightning_sgd.exceptions import WorkerError
 
 T = TypeVar("T")
 
@@ -178,12 +179,38 @@ class _Worker:
                 # travels with the exception (its __dict__ is pickled): the driver may blame a
                 # lost peer for it, never for an error of user code that reads alike
                 setattr(err, IN_COLLECTIVE, True)
+            stand_in = _as_travelling(err)
+            if stand_in is not err:
+                raise stand_in from None
             raise
         finally:
             self._running = False
             preemption.grace_s = 0.0
             get_outbox().close()  # the driver's standing question about this call is answered
             self._call_ended.set()
+
+
+def _as_travelling(err: BaseException) -> BaseException:
+    """Runs on each worker. ``err`` if it reaches the driver as itself; else a
+    :class:`WorkerError` that names it. One that does not unpickle (an ``__init__`` with other
+    arguments than its ``args``) would reach the driver as Ray's ``UnserializableException``,
+    which reads as a lost worker."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.loads(cloudpickle.dumps(err))
+        return err
+    except Exception as problem:  # noqa: BLE001 - whatever pickling raises
+        kind = type(err)
+        stand_in = WorkerError(
+            f"{kind.__module__}.{kind.__qualname__}: {err} (the exception itself cannot "
+            f"reach the driver: {type(problem).__name__}: {problem})"
+        )
+    for note in getattr(err, "__notes__", ()):
+        stand_in.add_note(note)
+    if getattr(err, IN_COLLECTIVE, False):
+        setattr(stand_in, IN_COLLECTIVE, True)
+    return stand_in
 
 
 def _raised_inside_torch(err: BaseException) -> bool:
