@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
+from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, _compat
 from ray_lightning_sgd._boundary.data_loader import ray_data
 from ray_lightning_sgd._boundary.datasets import DatasetShard, DatasetSplit
 from ray_lightning_sgd._serialization import pack, unpack
@@ -280,6 +280,61 @@ def test_workers_that_take_every_cpu_are_refused_before_any_actor_starts(ray_clu
     assert leftovers() == before
 
 
+@pytest.mark.skipif(
+    _compat.torch.cpu_fsdp2_problem(torch.__version__) is not None, reason="FSDP2 needs CUDA"
+)
+def test_ray_data_a_sharded_strategy_cannot_take_is_refused_before_any_actor_starts(ray_cluster):
+    """A sharded predict (ranks read different numbers of rows; each forward gathers from every
+    rank: it would wait for good) and tensor parallelism (a group's ranks need the same batch)."""
+    from ray_lightning_sgd.pytorch_lightning import RayModelParallelStrategy
+
+    before = leftovers()
+    data = RayDataLoader(ray.data.range(8), batch_size=4)
+    fsdp2 = {"data_parallel_size": 2, "tensor_parallel_size": 1}
+    sharded = RayModelParallelStrategy(num_workers=2, num_cpus_per_worker=0.5, **fsdp2)
+    trainer = pl.Trainer(strategy=sharded, max_epochs=1, **_trainer_kwargs())
+    with pytest.raises(ConfigurationError, match=r"predict over a Ray Data dataset.*DataLoader"):
+        trainer.predict(Recorder("."), data)
+    tensor = {"data_parallel_size": 1, "tensor_parallel_size": 2}
+    parallel = RayModelParallelStrategy(num_workers=2, num_cpus_per_worker=0.5, **tensor)
+    trainer = pl.Trainer(strategy=parallel, max_epochs=1, **_trainer_kwargs())
+    with pytest.raises(ConfigurationError, match=r"tensor_parallel_size=2 over a Ray Data"):
+        trainer.fit(Recorder("."), data)
+    assert leftovers() == before
+
+
+def test_tensor_parallelism_auto_is_resolved_where_the_workers_landed():
+    from ray_lightning_sgd._driver.datasets import check_strategy
+    from ray_lightning_sgd.ranks import WorkerMetadata
+
+    def on(*nodes: str) -> list[WorkerMetadata]:
+        return [WorkerMetadata(node, "10.0.0.1", "h", pid) for pid, node in enumerate(nodes)]
+
+    check_strategy("S", False, "auto", False)  # not known before the workers are placed
+    check_strategy("S", False, "auto", False, on("a", "b"))  # a worker a node: 1
+    with pytest.raises(ConfigurationError, match=r"tensor_parallel_size=2 \('auto'"):
+        check_strategy("S", False, "auto", False, on("a", "a", "b", "b"))
+    check_strategy("S", True, 1, False, on("a", "a"))  # FSDP2 alone fits
+    with pytest.raises(ConfigurationError, match="predict"):
+        check_strategy("S", True, 1, True)
+    check_strategy("S", False, 1, True)  # DDP's predict has no collective in its forward
+
+
+def test_a_dataset_made_on_a_worker_is_refused_not_read_whole_by_every_rank(
+    ray_cluster, monkeypatch
+):
+    """Made in setup() or a *_dataloader hook, on the workers: no split reached it, and every
+    rank would have read every row (each row trained world-size times an epoch)."""
+    from ray_lightning_sgd._boundary import data_loader
+
+    loader = RayDataLoader(ray.data.range(8), batch_size=4)
+    monkeypatch.setattr(data_loader, "_process_group_size", lambda: 2)
+    with pytest.raises(ConfigurationError, match=r"not split over the 2 ranks.*on the driver"):
+        next(iter(loader))
+    monkeypatch.setattr(data_loader, "_process_group_size", lambda: 1)  # one process: all of it
+    assert sum(len(batch["id"]) for batch in loader) == 8
+
+
 def test_a_bare_dataset_is_refused_with_the_loader_to_wrap_it_in(ray_cluster):
     trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **_trainer_kwargs())
     with pytest.raises(ConfigurationError, match=r"RayDataLoader\(dataset, batch_size"):
@@ -343,6 +398,36 @@ def test_datasets_are_set_aside_from_the_payload_and_replaced_on_the_other_side(
     packed = pack({"a": big, "b": [big, other]}, set_aside=(Big,))
     assert packed.set_aside == (big, other)
     assert unpack(packed, replacements=["A", "B"]) == {"a": "A", "b": ["A", "B"]}
+
+
+class _SeedsSeen:
+    """A split's iterator that notes the shuffle seed of each pass and yields nothing."""
+
+    def __init__(self) -> None:
+        self.seeds: list[int] = []
+
+    def iter_torch_batches(self, **options):
+        self.seeds.append(options["local_shuffle_seed"])
+        return iter(())
+
+
+def test_a_resumed_fit_shuffles_each_epoch_as_the_uninterrupted_fit(monkeypatch):
+    """A restart (or a resize) from epoch 3 reads epoch 3 with the seed s + 3, as the fit that
+    never stopped did; a new loader's pass count alone would start over at s + 0."""
+    from types import SimpleNamespace
+
+    from ray_lightning_sgd._worker import resume
+
+    seen = _SeedsSeen()
+    shard = DatasetShard(iterator=seen, rank=0, world_size=2, rows=None)
+    loader = RayDataLoader(shard, batch_size=8, local_shuffle_buffer_size=16, local_shuffle_seed=10)
+    monkeypatch.setattr(resume, "_train_loaders", lambda trainer: [loader, None])
+    monkeypatch.setattr(resume, "warn_schedulers_that_end_too_soon", lambda trainer: None)
+    callback = resume.ResumeCheckpointBase(1, None, resumed=True)
+    callback.on_train_start(SimpleNamespace(current_epoch=3), None)  # type: ignore[arg-type]
+    for _ in range(2):  # epochs 3 and 4
+        list(loader)
+    assert seen.seeds == [13, 14]
 
 
 def test_a_seeded_local_shuffle_deals_the_same_order_for_the_same_seed_and_pass(ray_cluster):

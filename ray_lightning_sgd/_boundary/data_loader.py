@@ -121,8 +121,26 @@ class RayDataLoader:
         if self.local_shuffle_buffer_size is not None:
             options["local_shuffle_buffer_size"] = self.local_shuffle_buffer_size
             options["local_shuffle_seed"] = seed
-        source = self.dataset.iterator if isinstance(self.dataset, DatasetShard) else self.dataset
+        if isinstance(self.dataset, DatasetShard):
+            source = self.dataset.iterator
+        else:
+            source = self.dataset
+            world = _process_group_size()
+            if world > 1:
+                # made on a worker (in setup or a *_dataloader hook): no split reached it, and
+                # each rank would read every row, world-size times an epoch in all
+                raise ConfigurationError(
+                    f"this RayDataLoader's dataset was not split over the {world} ranks, so "
+                    "each rank would read all of it: make the ray.data.Dataset on the driver, "
+                    "before the Trainer's call (in the DataModule's __init__, or passed to "
+                    "RayDataLoader there), where the strategy splits it over the ranks"
+                )
         yield from source.iter_torch_batches(**options)
+
+    def resume_at_pass(self, passes: int) -> None:
+        """Worker side: a fit that resumes at epoch ``passes`` (a restart, a resize) goes on
+        with that epoch's pass, and its shuffle's seed, as the uninterrupted fit would."""
+        self._passes = passes
 
     def __len__(self) -> int:
         rows = self.rows()
@@ -233,6 +251,15 @@ class RayDataModuleBase:
 
     def predict_dataloader(self) -> Any:
         return self._loader("predict")
+
+
+def _process_group_size() -> int:
+    """The size of torch's default process group in this process (1: none)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size())
 
 
 def _count(name: str, value: Any, minimum: int) -> int:

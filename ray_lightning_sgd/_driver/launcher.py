@@ -243,8 +243,12 @@ class RayLauncherBase(_Base):
         packed = pack_payload(payload)
         to_split, packed = packed.set_aside, packed._replace(set_aside=())
         run.datasets = to_split  # what rank 0's shards stand for when its results come back
+        predicting = payload.trainer is not None and payload.trainer.state.fn == PREDICTING
+        strategy = self._strategy
+        feeds = (type(strategy).__name__, strategy.sharded, strategy.tensor_parallel, predicting)
         if to_split:
-            datasets.check_room(self._strategy.worker_group_config)
+            datasets.check_room(strategy.worker_group_config)
+            datasets.check_strategy(*feeds)
         putter = ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put")
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
         putter.shutdown(wait=False)
@@ -261,7 +265,8 @@ class RayLauncherBase(_Base):
                 growth.attempt_started(run.size)
             if inbox is not None:
                 inbox.attach(executor.worker_group, attempt.call_id)
-            predicting = payload.trainer is not None and payload.trainer.state.fn == PREDICTING
+            if to_split:  # "auto" sizes resolved where the workers landed
+                datasets.check_strategy(*feeds, executor.worker_group.metadata)
             attempt.splits = datasets.split(to_split, executor.worker_group.metadata, predicting)
             imports = (self._strategy.flavour.namespace,)
             attempt.refs = executor.run_async(

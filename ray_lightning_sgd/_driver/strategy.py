@@ -276,6 +276,12 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     def _check_workers(self) -> None:
         """Raises for worker settings that this kind of strategy cannot run."""
 
+    @property
+    def tensor_parallel(self) -> int | str:
+        """The tensor-parallel size the workers take ("auto": a node's workers); 1 but for
+        ``RayModelParallelStrategy``."""
+        return 1
+
     def _check_strategy_kwargs(self, strategy_kwargs: dict[str, Any]) -> None:
         """Raises for values of the Lightning strategy's own arguments (those given, not left
         at their defaults) that it would refuse only later, or on the workers."""

@@ -53,3 +53,11 @@ class StrategyView(Protocol):
     @property
     def precision_request(self) -> PrecisionRequest:
         """The precision the user asked the Trainer for."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model's parameters are sharded across the workers."""
+
+    @property
+    def tensor_parallel(self) -> int | str:
+        """The tensor-parallel size the workers take ("auto": a node's workers)."""

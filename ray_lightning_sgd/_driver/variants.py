@@ -88,6 +88,13 @@ class RayModelParallelStrategyBase(_ShardedBase):
             raise ConfigurationError(f"{type(self).__name__} on CPU workers: {problem}")
         super()._check_workers()
 
+    _tensor_parallel: int | str = "auto"
+
+    @property
+    @override
+    def tensor_parallel(self) -> int | str:
+        return self._tensor_parallel
+
     @override
     def _check_strategy_kwargs(self, strategy_kwargs: dict[str, Any]) -> None:
         sizes = {
@@ -99,6 +106,7 @@ class RayModelParallelStrategyBase(_ShardedBase):
             if size != "auto" and not (whole and size >= 1):
                 raise ConfigurationError(f"{key} must be 'auto' or an int >= 1, got {size!r}")
         data, tensor = sizes.values()
+        self._tensor_parallel = tensor
         config = self._worker_group_config
         elastic = " (a size this elastic run may take)" if config.sizes else ""
         for workers in config.sizes or (config.num_workers,):
