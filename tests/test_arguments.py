@@ -49,7 +49,7 @@ BAD_ARGUMENTS: list[tuple[str, object]] = [
     *[("hang_report_after_s", v) for v in (0, -5, NAN, INF, 1e15, "10", True)],
     *[("checkpoint_every_n_epochs", v) for v in (0, -1, 1.5, True, "1", None)],
     *[("checkpoint_storage", v) for v in ("", "   ", 1, b"/tmp", ["x"], "s4://b/x", "a\0b")],
-    *[("checkpoint_storage", v) for v in ("s3:/bucket/runs", "gs:bucket")],
+    *[("checkpoint_storage", v) for v in ("s3:/bucket/runs", "gs:bucket", "file:/tmp/runs")],
     *[("run_name", v) for v in ("", ".hidden", "a/b", 1, "x" * 200, "a b")],
     *[("keep_last", v) for v in (0, -1, 1.5, True, "2", None)],
     *[("resize_interval_s", v) for v in (0, NAN, INF, 1e15, "60", True, None)],
@@ -178,7 +178,7 @@ def test_good_values_passed_on_are_taken(ray_calls):
     RaySGDStrategy(2, bucket_cap_mb=0.5, model_averaging_period=4, ddp_comm_hook=print)
     RayModelParallelStrategy(4, use_gpu=True, data_parallel_size=2, tensor_parallel_size=2)
     RayModelParallelStrategy((2, 4), use_gpu=True, data_parallel_size="auto")
-    RayModelParallelStrategy(4, use_gpu=True, tensor_parallel_size=4)  # the other one: "auto"
+    RayModelParallelStrategy(4, use_gpu=True, tensor_parallel_size=4)  # "auto": checked placed
     for offload in (True, CPUOffload(offload_params=True)):
         RayFSDPStrategy(2, use_gpu=True, sharding_strategy="shard_grad_op", cpu_offload=offload)
     RayFSDPStrategy(2, use_gpu=True, state_dict_type="sharded")
@@ -210,4 +210,35 @@ def test_the_largest_values_and_other_shapes_are_taken(ray_calls):
     assert strategy.checkpoint_storage == "~/ckpts"  # as given, expanded at launch
     assert strategy.driver_callbacks == [callback]
     assert RaySGDStrategy(checkpoint_storage="memory://runs").checkpoint_storage == "memory://runs"
+    # a local folder with a colon, which no fsspec protocol names, is a local folder
+    assert RaySGDStrategy(checkpoint_storage="exp1:v2").checkpoint_storage == "exp1:v2"
+    with pytest.raises(ConfigurationError, match="write 'file:///tmp/runs'"):
+        RaySGDStrategy(checkpoint_storage="file:/tmp/runs")
+    assert ray_calls == []
+
+
+def test_model_parallel_sizes_are_checked_where_the_workers_landed(ray_calls):
+    """ "auto" is what Lightning makes of it on each worker: the data-parallel size the number of
+    nodes, the tensor-parallel size the number of the worker's node's workers."""
+    from ray_lightning_sgd.ranks import WorkerMetadata
+
+    def on(*nodes: str) -> list[WorkerMetadata]:
+        return [WorkerMetadata(node, "10.0.0.1", "h", pid) for pid, node in enumerate(nodes)]
+
+    tensor_two = RayModelParallelStrategy(4, use_gpu=True, tensor_parallel_size=2)
+    tensor_two.check_placed(on("a", "a", "b", "b"))  # 2 nodes x 2
+    with pytest.raises(ConfigurationError, match=r"1 node.*resolve to 1 x 2 = 2"):
+        tensor_two.check_placed(on("a", "a", "a", "a"))
+    automatic = RayModelParallelStrategy(4, use_gpu=True)
+    automatic.check_placed(on("a", "a", "b", "b"))
+    automatic.check_placed(on("a", "b", "c", "d"))
+    with pytest.raises(ConfigurationError, match=r"\(1, 3 a node\).*resolve to 2 x 1"):
+        automatic.check_placed(on("a", "a", "a", "b"))
+    fsdp2 = RayModelParallelStrategy(4, use_gpu=True, data_parallel_size=4, tensor_parallel_size=1)
+    fsdp2.check_placed(on("a", "a", "a", "b"))  # FSDP2 alone: anywhere
+    with pytest.raises(ConfigurationError, match=r"resolve to 4 x 3 = 12"):  # "auto": 3 there
+        RayModelParallelStrategy(4, use_gpu=True, data_parallel_size=4).check_placed(
+            on("a", "a", "a", "b")
+        )
+    RaySGDStrategy(4).check_placed(on("a", "a", "a", "b"))  # DDP takes any placement
     assert ray_calls == []

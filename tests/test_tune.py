@@ -114,3 +114,10 @@ def test_report_arguments_are_checked_where_the_callback_is_made(kwargs, named):
     with pytest.raises(ConfigurationError) as info:
         TuneReportCallback(**kwargs)
     assert named in str(info.value)
+
+
+def test_report_arguments_take_any_collection_of_names():
+    callback = TuneReportCallback(metrics={"acc"}, on={"validation_end", "train_epoch_end"})
+    assert callback._metrics == {"acc": "acc"}
+    assert callback._on == {"validation_end", "train_epoch_end"}
+    assert TuneReportCallback(metrics=(n for n in ["a", "b"]))._metrics == {"a": "a", "b": "b"}

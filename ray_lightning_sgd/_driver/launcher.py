@@ -265,8 +265,10 @@ class RayLauncherBase(_Base):
                 growth.attempt_started(run.size)
             if inbox is not None:
                 inbox.attach(executor.worker_group, attempt.call_id)
-            if to_split:  # "auto" sizes resolved where the workers landed
-                datasets.check_strategy(*feeds, executor.worker_group.metadata)
+            placed = executor.worker_group.metadata
+            strategy.check_placed(placed)  # "auto" sizes resolved where the workers landed
+            if to_split:
+                datasets.check_strategy(*feeds, placed)
             attempt.splits = datasets.split(to_split, executor.worker_group.metadata, predicting)
             imports = (self._strategy.flavour.namespace,)
             attempt.refs = executor.run_async(

@@ -116,14 +116,20 @@ def _check_storage(storage: Any) -> None:
             f"pathlib.Path), or None, got {storage!r}"
         )
     if "://" not in storage:
-        scheme = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]+):/*", storage)
-        if scheme and not os.path.exists(scheme.group(1) + ":"):  # a local "name:" folder stays
-            raise ConfigurationError(
-                f"checkpoint_storage={storage!r} reads as a URI without '://' (it would be a "
-                f"local folder named {scheme.group(1) + ':'!r}); write "
-                f"{scheme.group(1)}://{storage[scheme.end() :]}"
-            )
-        return
+        scheme = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]+):(/*)", storage)
+        if scheme is None or os.path.exists(scheme.group(1) + ":"):
+            return  # a local path (a local folder named "name:" included)
+        import fsspec
+
+        name, slashes = scheme.groups()
+        if name not in fsspec.available_protocols():
+            return  # a local folder such as "exp1:v2"
+        rest = storage[scheme.end() :]
+        meant = f"{name}:///{rest}" if name == "file" and slashes else f"{name}://{rest}"
+        raise ConfigurationError(
+            f"checkpoint_storage={storage!r} reads as a URI without '://' (it would be a local "
+            f"folder named {name + ':'!r}); write {meant!r}"
+        )
     import fsspec  # only where a URI is given
 
     known = set(fsspec.available_protocols())

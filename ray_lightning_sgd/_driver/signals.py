@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -53,7 +54,7 @@ def _handled_outside_python(number: int) -> bool:
     C, such as ``faulthandler.register``'s, which ``signal.getsignal`` shows as ``SIG_DFL`` and
     ``signal.signal`` would replace for good. Read from the kernel (Linux); False where it
     cannot be read."""
-    if signal.getsignal(number) is not signal.SIG_DFL:
+    if signal.getsignal(number) is not signal.SIG_DFL or os.name != "posix":
         return False  # Python's own handler (the kernel has Python's trampoline), or ignored
     try:
         import ctypes
@@ -63,7 +64,7 @@ def _handled_outside_python(number: int) -> bool:
         if libc.sigaction(number, None, action) != 0:
             return False
         handler = int.from_bytes(action.raw[: ctypes.sizeof(ctypes.c_void_p)], sys.byteorder)
-    except (OSError, AttributeError):
+    except Exception:  # noqa: BLE001 - unreadable: as Python sees it
         return False
     return handler != 0  # SIG_DFL is 0
 

@@ -18,7 +18,7 @@ that namespace's Lightning strategy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,6 +39,7 @@ from ray_lightning_sgd._driver.stragglers import RankTimings
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._worker_group import cluster
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig, flag
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 if TYPE_CHECKING:
@@ -281,6 +282,10 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         """The tensor-parallel size the workers take ("auto": a node's workers); 1 but for
         ``RayModelParallelStrategy``."""
         return 1
+
+    def check_placed(self, metadata: Sequence[WorkerMetadata]) -> None:
+        """Driver side, once an attempt's workers are placed (``metadata`` in rank order):
+        raises for settings that cannot train where they landed."""
 
     def _check_strategy_kwargs(self, strategy_kwargs: dict[str, Any]) -> None:
         """Raises for values of the Lightning strategy's own arguments (those given, not left

@@ -6,6 +6,7 @@ The launcher and the checks depend on this protocol, not on the strategy class, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ray_lightning_sgd._backend.torch import TorchConfig
@@ -13,6 +14,7 @@ from ray_lightning_sgd._boundary.precision import PrecisionRequest
 from ray_lightning_sgd._compat.flavour import Flavour
 from ray_lightning_sgd._driver.run_config import RunConfig
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
 
 
 class StrategyView(Protocol):
@@ -61,3 +63,6 @@ class StrategyView(Protocol):
     @property
     def tensor_parallel(self) -> int | str:
         """The tensor-parallel size the workers take ("auto": a node's workers)."""
+
+    def check_placed(self, metadata: Sequence[WorkerMetadata]) -> None:
+        """Raises for settings that cannot train where the attempt's workers landed."""

@@ -11,6 +11,8 @@ worker half and that namespace's Lightning strategy.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from typing_extensions import override
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._driver import signature
 from ray_lightning_sgd._driver.strategy import RayStrategyBase
+from ray_lightning_sgd._worker_group.ranks import WorkerMetadata
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 
@@ -89,6 +92,26 @@ class RayModelParallelStrategyBase(_ShardedBase):
         super()._check_workers()
 
     _tensor_parallel: int | str = "auto"
+    _data_parallel: int | str = "auto"
+
+    @override
+    def check_placed(self, metadata: Sequence[WorkerMetadata]) -> None:
+        # as Lightning resolves "auto" on each worker: the data-parallel size is the number of
+        # nodes, the tensor-parallel size the number of that worker's node's workers
+        per_node = Counter(meta.node_id for meta in metadata)
+        workers, nodes = len(metadata), len(per_node)
+        for on_node in sorted(set(per_node.values())):
+            data = nodes if self._data_parallel == "auto" else self._data_parallel
+            tensor = on_node if self._tensor_parallel == "auto" else self._tensor_parallel
+            if int(data) * int(tensor) != workers:
+                raise ConfigurationError(
+                    f"{type(self).__name__}: the {workers} workers landed on {nodes} node(s) "
+                    f"({', '.join(str(n) for n in sorted(per_node.values()))} a node), where "
+                    f"data_parallel_size={self._data_parallel!r} x tensor_parallel_size="
+                    f"{self._tensor_parallel!r} resolve to {data} x {tensor} = "
+                    f"{int(data) * int(tensor)} ('auto': the nodes, and a node's workers); "
+                    "pass both sizes, with a product of the number of workers"
+                )
 
     @property
     @override
@@ -106,13 +129,13 @@ class RayModelParallelStrategyBase(_ShardedBase):
             if size != "auto" and not (whole and size >= 1):
                 raise ConfigurationError(f"{key} must be 'auto' or an int >= 1, got {size!r}")
         data, tensor = sizes.values()
-        self._tensor_parallel = tensor
+        self._data_parallel, self._tensor_parallel = data, tensor
         config = self._worker_group_config
         elastic = " (a size this elastic run may take)" if config.sizes else ""
         for workers in config.sizes or (config.num_workers,):
             if data == "auto" and tensor == "auto":
                 return  # resolved on the workers from the nodes they landed on, as Lightning does
-            if data == "auto" or tensor == "auto":  # the other one: workers / this one
+            if data == "auto" or tensor == "auto":  # known once placed: here, a divisor at least
                 key, size = next((k, v) for k, v in sizes.items() if v != "auto")
                 if workers % size:
                     raise ConfigurationError(

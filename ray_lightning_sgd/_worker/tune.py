@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd._boundary.tune import report_to_tune
@@ -28,19 +28,21 @@ def _metric_names(metrics: Any) -> dict[str, str] | None:
     """``metrics`` as Tune's name to Lightning's (None: all); raises unless names are strings."""
     if metrics is None:
         return None
-    if isinstance(metrics, str):
-        metrics = [metrics]
-    if isinstance(metrics, (list, tuple)):
-        metrics = {name: name for name in metrics}
-    if not isinstance(metrics, Mapping) or not all(
+    names: Any = metrics
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, Mapping) and isinstance(names, Iterable):
+        listed = list(names)
+        names = {name: name for name in listed} if all(isinstance(n, str) for n in listed) else None
+    if not isinstance(names, Mapping) or not all(
         isinstance(key, str) and isinstance(value, str) and key and value
-        for key, value in metrics.items()
+        for key, value in names.items()
     ):
         raise ConfigurationError(
             f"TuneReportCallback(metrics={metrics!r}): a metric's name, a list of names, a dict "
             "of Tune's name to the name the model logs, or None for all of them"
         )
-    return dict(metrics)
+    return dict(names)
 
 
 class TuneReportCallbackBase:
@@ -65,7 +67,7 @@ class TuneReportCallbackBase:
     ) -> None:
         super().__init__()
         self._metrics = _metric_names(metrics)
-        hooks = [on] if isinstance(on, str) else list(on) if isinstance(on, (list, tuple)) else []
+        hooks = [on] if isinstance(on, str) else list(on) if isinstance(on, Iterable) else []
         unknown = [hook for hook in hooks if hook not in REPORT_ON]
         if unknown or not hooks:
             raise ConfigurationError(

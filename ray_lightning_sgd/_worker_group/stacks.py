@@ -19,8 +19,6 @@ from types import FrameType
 _DISTRIBUTED = os.sep.join(("torch", "distributed", ""))
 #: Lightning's module that calls every hook (both namespaces).
 _LIGHTNING_CALLS = os.sep.join(("trainer", "call.py"))
-#: DDP's module wrapper, whose forward broadcasts the buffers of rank 0 (BatchNorm's statistics).
-_DDP = os.sep.join(("torch", "nn", "parallel", "distributed.py"))
 
 
 @dataclass(frozen=True)
@@ -89,17 +87,40 @@ def describe(frame: FrameType) -> ThreadStack:
     return ThreadStack("".join(shown), hook, collective, user)
 
 
+#: torch's functions outside c10d's own that wait for the other ranks, by the end of their
+#: file's path, and the collective each stands for in the report (one name for each kind, so
+#: that the ranks of one step read alike).
+_TORCH_WAITS = {
+    os.sep.join(("nn", "parallel", "distributed.py")): (
+        {"_distributed_broadcast_coalesced", "_sync_buffers", "_sync_module_buffers",
+         "_default_broadcast_coalesced", "_sync_params_and_buffers"},
+        "DDP's broadcast of buffers (before a forward)",
+    ),
+    os.sep.join(("distributed", "_functional_collectives.py")): (
+        {"wait_tensor", "wait_tensors", "wait"},
+        "a functional collective's wait (DTensor, tensor parallelism)",
+    ),
+    os.sep.join(("_fully_shard", "_fsdp_param_group.py")): (
+        {"wait_for_unshard", "unshard", "post_backward", "wait_for_reduce_scatter"},
+        "FSDP2's all-gather or reduce-scatter",
+    ),
+    os.sep.join(("_fully_shard", "_fsdp_collectives.py")): (
+        {"foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce"},
+        "FSDP2's all-gather or reduce-scatter",
+    ),
+}  # fmt: skip
+
+
 def _waiting_inside_torch_distributed(entries: traceback.StackSummary) -> str | None:
-    """The innermost library frames of a stack, where they wait on the other ranks outside
-    c10d's own functions: DDP's broadcast of buffers before each forward, a functional
-    collective's wait (DTensor, tensor parallelism), FSDP's own all-gathers."""
+    """Where the innermost library frames of a stack wait on the other ranks in torch outside
+    c10d's own functions (:data:`_TORCH_WAITS`); None for anything else they may be doing."""
     for entry in reversed(entries):
         if not _is_library(entry.filename):
             return None
-        ddp = entry.filename.endswith(_DDP) and ("broadcast" in entry.name or "sync" in entry.name)
-        if ddp or _DISTRIBUTED in entry.filename:
-            where = entry.filename[entry.filename.rfind(os.sep + "torch" + os.sep) + 1 :]
-            return f"{entry.name} ({where})"
+        in_torch = os.sep + "torch" + os.sep in entry.filename
+        for ending, (names, collective) in _TORCH_WAITS.items():
+            if in_torch and entry.name in names and entry.filename.endswith(ending):
+                return collective
     return None
 
 
