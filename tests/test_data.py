@@ -327,7 +327,9 @@ def test_a_dataset_made_on_a_worker_is_refused_not_read_whole_by_every_rank(
     rank would have read every row (each row trained world-size times an epoch)."""
     from ray_lightning_sgd._boundary import data_loader
 
-    loader = RayDataLoader(ray.data.range(8), batch_size=4)
+    # from_items: blocks already in the object store, no read task (warm workers of earlier
+    # tests may hold the cluster's CPUs)
+    loader = RayDataLoader(ray.data.from_items([{"id": i} for i in range(8)]), batch_size=4)
     monkeypatch.setattr(data_loader, "_process_group_size", lambda: 2)
     with pytest.raises(ConfigurationError, match=r"not split over the 2 ranks.*on the driver"):
         next(iter(loader))
