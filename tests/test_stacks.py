@@ -239,6 +239,19 @@ def _scheduled_inbox(monkeypatch, workers: int) -> tuple[RunInbox, list[int], li
     return inbox, asked, clock
 
 
+def _checking_inbox(monkeypatch, workers: int) -> tuple[RunInbox, list[int]]:
+    """A :func:`_scheduled_inbox` whose check is the real one, with progress_timeout_s=30; the
+    ranks it asks are in the list it returns with it."""
+    inbox, asked, clock = _scheduled_inbox(monkeypatch, workers)
+    monkeypatch.undo()  # the real check, the fake clock's polls
+    monkeypatch.setattr(inbox, "_wall", lambda: clock[0])
+    monkeypatch.setattr(inbox, "_ask", lambda rank: asked.append(rank) or f"poll {rank}")
+    monkeypatch.setattr(inbox, "stacks", lambda: [])
+    inbox.progress_timeout_s = 30.0
+    inbox._run.metadata = []
+    return inbox, asked
+
+
 def _pump_for(inbox: RunInbox, clock: list[float], seconds: float) -> None:
     for _ in range(round(seconds / 0.1)):
         inbox.pump()
@@ -294,13 +307,7 @@ def test_a_rank_with_news_is_asked_at_once_and_a_sigterm_notice_is_acknowledged_
 def test_a_rank_that_only_looks_silent_is_asked_before_the_timeout_fails_the_call(monkeypatch):
     from ray_lightning_sgd.exceptions import WorkerTimeoutError
 
-    inbox, asked, clock = _scheduled_inbox(monkeypatch, 1001)
-    monkeypatch.undo()  # the real check, the fake clock's polls
-    monkeypatch.setattr(inbox, "_wall", lambda: clock[0])
-    monkeypatch.setattr(inbox, "_ask", lambda rank: asked.append(rank) or f"poll {rank}")
-    monkeypatch.setattr(inbox, "stacks", lambda: [])
-    inbox.progress_timeout_s = 30.0
-    inbox._run.metadata = []
+    inbox, asked = _checking_inbox(monkeypatch, 1001)
     now = inbox._now()
     inbox._progress_at = {0: now, 900: now - 40.0}  # 900's last progress was 40 s ago...
     inbox._answered_at = {0: now, 900: now - 35.0}  # ...as an answer 35 s ago said
@@ -376,13 +383,7 @@ def test_a_rank_whose_call_ended_is_not_silent_while_the_others_still_run(monkey
     no barrier at its end; a rank that returned long before the others is not a stall."""
     from ray_lightning_sgd.exceptions import WorkerTimeoutError
 
-    inbox, asked, clock = _scheduled_inbox(monkeypatch, 3)
-    monkeypatch.undo()  # the real check, the fake clock
-    monkeypatch.setattr(inbox, "_wall", lambda: clock[0])
-    monkeypatch.setattr(inbox, "_ask", lambda rank: asked.append(rank) or f"poll {rank}")
-    monkeypatch.setattr(inbox, "stacks", lambda: [])
-    inbox.progress_timeout_s = 30.0
-    inbox._run.metadata = []
+    inbox, _asked = _checking_inbox(monkeypatch, 3)
     now = inbox._now()
     inbox._progress_at = {0: now, 1: now - 40.0, 2: now - 40.0}
     inbox._answered_at = dict.fromkeys((0, 1, 2), now)

@@ -77,21 +77,19 @@ def translate(err: RayError, metadata: Sequence[WorkerMetadata], actor_id: str) 
             err = cause
         else:
             return WorkerGroupError(f"a call on a worker failed: {err}")
-    unpickled = getattr(ray.exceptions, "UnserializableException", None)
-    if unpickled is not None and isinstance(err, unpickled):
-        # the worker's exception arrived but would not unpickle here: an error of the call, not
-        # a lost worker (the workers send a stand-in for those they can tell: WorkerError)
-        index = next((i for i, m in enumerate(metadata) if m.actor_id == actor_id), None)
-        meta = metadata[index] if index is not None else None
-        return WorkerError(
-            f"{rank_on_node(index, meta)} raised an exception that cannot be unpickled on the "
-            f"driver: {err}"
-        )
     died = isinstance(err, RayActorError)
     if isinstance(err, RayActorError) and err.actor_id:
         actor_id = err.actor_id
     index = next((i for i, m in enumerate(metadata) if m.actor_id == actor_id), None)
     meta = metadata[index] if index is not None else None
+    unpickled = getattr(ray.exceptions, "UnserializableException", None)
+    if unpickled is not None and isinstance(err, unpickled):
+        # the worker's exception arrived but would not unpickle here: an error of the call, not
+        # a lost worker (the workers send a stand-in for those they can tell: WorkerError)
+        return WorkerError(
+            f"{rank_on_node(index, meta)} raised an exception that cannot be unpickled on the "
+            f"driver: {err}"
+        )
     # Ray says so when the node was drained for preemption (a spot node, an autoscaler's drain)
     preempted = bool(getattr(err, "preempted", False))
     what = "died" if died else "was lost"
