@@ -305,19 +305,23 @@ def test_ray_data_a_sharded_strategy_cannot_take_is_refused_before_any_actor_sta
 
 def test_tensor_parallelism_auto_is_resolved_where_the_workers_landed():
     from ray_lightning_sgd._driver.datasets import check_strategy
+    from ray_lightning_sgd.pytorch_lightning import RayModelParallelStrategy
     from ray_lightning_sgd.ranks import WorkerMetadata
 
     def on(*nodes: str) -> list[WorkerMetadata]:
         return [WorkerMetadata(node, "10.0.0.1", "h", pid) for pid, node in enumerate(nodes)]
 
-    check_strategy("S", False, "auto", False)  # not known before the workers are placed
-    check_strategy("S", False, "auto", False, on("a", "b"))  # a worker a node: 1
+    def tensor(workers: int, *nodes: str) -> int | None:  # as "auto" resolves, where placed
+        return RayModelParallelStrategy(workers, use_gpu=True).tensor_parallel_size(on(*nodes))
+
+    check_strategy("S", False, False, None)  # not known before the workers are placed
+    check_strategy("S", False, False, tensor(2, "a", "b"), auto=True)  # a worker a node: 1
     with pytest.raises(ConfigurationError, match=r"tensor_parallel_size=2 \('auto'"):
-        check_strategy("S", False, "auto", False, on("a", "a", "b", "b"))
-    check_strategy("S", True, 1, False, on("a", "a"))  # FSDP2 alone fits
+        check_strategy("S", False, False, tensor(4, "a", "a", "b", "b"), auto=True)
+    check_strategy("S", True, False, 1)  # FSDP2 alone fits
     with pytest.raises(ConfigurationError, match="predict"):
-        check_strategy("S", True, 1, True)
-    check_strategy("S", False, 1, True)  # DDP's predict has no collective in its forward
+        check_strategy("S", True, True, 1)
+    check_strategy("S", False, True, 1)  # DDP's predict has no collective in its forward
 
 
 def test_a_dataset_made_on_a_worker_is_refused_not_read_whole_by_every_rank(

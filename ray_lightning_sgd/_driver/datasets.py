@@ -68,18 +68,14 @@ def check_room(config: WorkerGroupConfig) -> None:
 
 
 def check_strategy(
-    name: str,
-    sharded: bool,
-    tensor_parallel: int | str,
-    predicting: bool,
-    metadata: Sequence[WorkerMetadata] = (),
+    name: str, sharded: bool, predicting: bool, tensor_parallel: int | None, auto: bool = False
 ) -> None:
     """Raises for the strategies a Ray Data split cannot feed: a sharded strategy's ``predict``
     (its ranks read different numbers of rows, and each forward gathers the weights from every
     rank: a rank with fewer batches leaves the others waiting), and tensor parallelism (the
     ranks of a tensor-parallel group must see the same batch; a split gives each rank its own
-    rows). ``tensor_parallel`` "auto" is resolved, as Lightning does, once ``metadata`` says
-    where the workers are: a node's workers."""
+    rows). ``tensor_parallel``: the size the workers take (None: not known before they are
+    placed), ``auto`` whether "auto" made it so."""
     if sharded and predicting:
         raise ConfigurationError(
             f"{name}.predict over a Ray Data dataset: the split gives ranks different numbers "
@@ -88,13 +84,10 @@ def check_strategy(
             "leave the others waiting; predict with a DataLoader (Lightning's sampler gives "
             "every rank as many batches), or with RaySGDStrategy"
         )
-    if tensor_parallel == "auto" and metadata:
-        nodes = len({meta.node_id for meta in metadata})
-        tensor_parallel = len(metadata) // max(nodes, 1)
-    if isinstance(tensor_parallel, int) and tensor_parallel > 1:
+    if tensor_parallel is not None and tensor_parallel > 1:
         raise ConfigurationError(
             f"{name} with tensor_parallel_size={tensor_parallel}"
-            + (" ('auto': the workers of a node)" if metadata else "")
+            + (" ('auto': the workers of a node)" if auto else "")
             + " over a Ray Data dataset: the ranks of a tensor-parallel group must see the same "
             "batch, and a Ray Data split gives each rank rows of its own; pass "
             "data_parallel_size=num_workers, tensor_parallel_size=1 (FSDP2 alone), or a "

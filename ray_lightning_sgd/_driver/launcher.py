@@ -245,10 +245,11 @@ class RayLauncherBase(_Base):
         run.datasets = to_split  # what rank 0's shards stand for when its results come back
         predicting = payload.trainer is not None and payload.trainer.state.fn == PREDICTING
         strategy = self._strategy
-        feeds = (type(strategy).__name__, strategy.sharded, strategy.tensor_parallel, predicting)
+        feeds = (type(strategy).__name__, strategy.sharded, predicting)
+        unplaced = strategy.tensor_parallel_size()  # None: "auto", known once placed
         if to_split:
             datasets.check_room(strategy.worker_group_config)
-            datasets.check_strategy(*feeds)
+            datasets.check_strategy(*feeds, unplaced)
         putter = ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put")
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
         putter.shutdown(wait=False)
@@ -267,9 +268,9 @@ class RayLauncherBase(_Base):
                 inbox.attach(executor.worker_group, attempt.call_id)
             placed = executor.worker_group.metadata
             strategy.check_placed(placed)  # "auto" sizes resolved where the workers landed
-            if to_split:
-                datasets.check_strategy(*feeds, placed)
-            attempt.splits = datasets.split(to_split, executor.worker_group.metadata, predicting)
+            if to_split and unplaced is None:
+                datasets.check_strategy(*feeds, strategy.tensor_parallel_size(placed), auto=True)
+            attempt.splits = datasets.split(to_split, placed, predicting)
             imports = (self._strategy.flavour.namespace,)
             attempt.refs = executor.run_async(
                 self.worker_half, shipped.result(), imports, attempt.splits, attempt.call_id

@@ -277,9 +277,9 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     def _check_workers(self) -> None:
         """Raises for worker settings that this kind of strategy cannot run."""
 
-    @property
-    def tensor_parallel(self) -> int | str:
-        """The tensor-parallel size the workers take ("auto": a node's workers); 1 but for
+    def tensor_parallel_size(self, metadata: Sequence[WorkerMetadata] = ()) -> int | None:
+        """The tensor-parallel size the workers take where ``metadata`` placed them; None while
+        it depends on where they land ("auto") and they are not placed. 1 but for
         ``RayModelParallelStrategy``."""
         return 1
 

@@ -60,9 +60,9 @@ class StrategyView(Protocol):
     def sharded(self) -> bool:
         """Whether the model's parameters are sharded across the workers."""
 
-    @property
-    def tensor_parallel(self) -> int | str:
-        """The tensor-parallel size the workers take ("auto": a node's workers)."""
+    def tensor_parallel_size(self, metadata: Sequence[WorkerMetadata] = ()) -> int | None:
+        """The tensor-parallel size the workers take where ``metadata`` placed them (None: not
+        known before they are placed)."""
 
     def check_placed(self, metadata: Sequence[WorkerMetadata]) -> None:
         """Raises for settings that cannot train where the attempt's workers landed."""

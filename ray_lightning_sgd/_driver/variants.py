@@ -94,29 +94,40 @@ class RayModelParallelStrategyBase(_ShardedBase):
     _tensor_parallel: int | str = "auto"
     _data_parallel: int | str = "auto"
 
+    def _resolved(self, metadata: Sequence[WorkerMetadata]) -> list[tuple[int, int]]:
+        """The (data, tensor) parallel sizes each worker takes where ``metadata`` placed them,
+        one pair for each number of workers a node holds: as Lightning resolves "auto" on each
+        worker, the data-parallel size is the number of nodes, the tensor-parallel size the
+        number of that worker's node's workers."""
+        per_node = Counter(meta.node_id for meta in metadata)
+        return [
+            (
+                len(per_node) if self._data_parallel == "auto" else int(self._data_parallel),
+                on_node if self._tensor_parallel == "auto" else int(self._tensor_parallel),
+            )
+            for on_node in sorted(set(per_node.values()))
+        ]
+
     @override
     def check_placed(self, metadata: Sequence[WorkerMetadata]) -> None:
-        # as Lightning resolves "auto" on each worker: the data-parallel size is the number of
-        # nodes, the tensor-parallel size the number of that worker's node's workers
-        per_node = Counter(meta.node_id for meta in metadata)
-        workers, nodes = len(metadata), len(per_node)
-        for on_node in sorted(set(per_node.values())):
-            data = nodes if self._data_parallel == "auto" else self._data_parallel
-            tensor = on_node if self._tensor_parallel == "auto" else self._tensor_parallel
-            if int(data) * int(tensor) != workers:
+        workers = len(metadata)
+        for data, tensor in self._resolved(metadata):
+            if data * tensor != workers:
+                per_node = sorted(Counter(meta.node_id for meta in metadata).values())
                 raise ConfigurationError(
-                    f"{type(self).__name__}: the {workers} workers landed on {nodes} node(s) "
-                    f"({', '.join(str(n) for n in sorted(per_node.values()))} a node), where "
+                    f"{type(self).__name__}: the {workers} workers landed on {len(per_node)} "
+                    f"node(s) ({', '.join(str(n) for n in per_node)} a node), where "
                     f"data_parallel_size={self._data_parallel!r} x tensor_parallel_size="
                     f"{self._tensor_parallel!r} resolve to {data} x {tensor} = "
-                    f"{int(data) * int(tensor)} ('auto': the nodes, and a node's workers); "
+                    f"{data * tensor} ('auto': the nodes, and a node's workers); "
                     "pass both sizes, with a product of the number of workers"
                 )
 
-    @property
     @override
-    def tensor_parallel(self) -> int | str:
-        return self._tensor_parallel
+    def tensor_parallel_size(self, metadata: Sequence[WorkerMetadata] = ()) -> int | None:
+        if self._tensor_parallel != "auto":
+            return int(self._tensor_parallel)
+        return self._resolved(metadata)[0][1] if metadata else None
 
     @override
     def _check_strategy_kwargs(self, strategy_kwargs: dict[str, Any]) -> None:
