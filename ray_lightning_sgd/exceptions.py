@@ -48,8 +48,9 @@ class WorkerGroupError(RaySGDError):
 class WorkerError(RaySGDError):
     """An exception raised by code on a worker that cannot travel to the driver as itself (it
     does not pickle, or does not unpickle: an ``__init__`` that takes other arguments than the
-    exception's ``args``). Its message names the original type and message; its notes name the
-    rank and hold the worker's traceback. Never retried, as the exception itself would not be."""
+    exception's ``args``), or a ``SystemExit`` (``sys.exit()`` called on a worker). Its message
+    names the original type and message; its notes name the rank and hold the worker's
+    traceback. Never retried, as the exception itself would not be."""
 
 
 class WorkerDiedError(WorkerGroupError):

@@ -52,6 +52,10 @@ def _bad_batch():
     raise _BadBatch(3, "empty")
 
 
+def _exit_with(code):
+    sys.exit(code)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -134,6 +138,13 @@ def test_execute_runs_everywhere_in_rank_order_and_errors_name_their_rank(free_c
             UnserializableException("Traceback ..."), group.metadata, group.metadata[1].actor_id
         )
         assert isinstance(unpickled, WorkerError) and "rank 1" in str(unpickled)
+        # sys.exit() in user code would end the worker's process (a lost worker, retried as
+        # often as max_failures allows, and every time alike): the call's error, the worker kept
+        pids = [pid for *_, pid in group.execute(_context)]
+        with pytest.raises(WorkerError, match=r"SystemExit\(3\): code on the worker called") as ex:
+            group.execute_single(1, _exit_with, 3)
+        assert "_exit_with" in "\n".join(ex.value.__notes__)
+        assert [pid for *_, pid in group.execute(_context)] == pids
 
         # a failing rank reaches the driver at once (rank 0 still runs: last), with the
         # worker's traceback

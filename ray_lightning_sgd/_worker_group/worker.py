@@ -194,18 +194,27 @@ def _as_travelling(err: BaseException) -> BaseException:
     """Runs on each worker. ``err`` if it reaches the driver as itself; else a
     :class:`WorkerError` that names it. One that does not unpickle (an ``__init__`` with other
     arguments than its ``args``) would reach the driver as Ray's ``UnserializableException``,
-    which reads as a lost worker."""
+    and a ``SystemExit`` (user code that called ``sys.exit``) would end the worker's process
+    (Ray's way with it): both would read as a lost worker, which a restart retries, every time
+    alike."""
     from ray import cloudpickle
 
-    try:
-        cloudpickle.loads(cloudpickle.dumps(err))
-        return err
-    except Exception as problem:  # noqa: BLE001 - whatever pickling raises
-        kind = type(err)
+    if isinstance(err, SystemExit):
         stand_in = WorkerError(
-            f"{kind.__module__}.{kind.__qualname__}: {err} (the exception itself cannot "
-            f"reach the driver: {type(problem).__name__}: {problem})"
+            f"SystemExit({err.code!r}): code on the worker called sys.exit({err.code!r}) "
+            "(or exit()); a rank cannot end its process on its own. Raise an exception to "
+            "stop the call, or set trainer.should_stop = True to end a fit early"
         )
+    else:
+        try:
+            cloudpickle.loads(cloudpickle.dumps(err))
+            return err
+        except Exception as problem:  # noqa: BLE001 - whatever pickling raises
+            kind = type(err)
+            stand_in = WorkerError(
+                f"{kind.__module__}.{kind.__qualname__}: {err} (the exception itself cannot "
+                f"reach the driver: {type(problem).__name__}: {problem})"
+            )
     for note in getattr(err, "__notes__", ()):
         stand_in.add_note(note)
     if getattr(err, IN_COLLECTIVE, False):
