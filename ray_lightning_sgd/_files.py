@@ -39,7 +39,17 @@ def publish(filesystem: Any, temp_path: str, final_path: str) -> None:
     on a local file system the file and then its folder are synced, so that after a crash the
     name holds the whole file."""
     if not is_local(filesystem):
-        filesystem.mv(temp_path, final_path)
+        if not _moves_by_copy(filesystem):
+            filesystem.mv(temp_path, final_path)  # the store's own rename
+            return
+        # fsspec's generic mv: a copy (an object store's is whole or nothing), then a delete of
+        # the temporary file; a delete refused (a bucket without delete permission, a transient
+        # error) leaves the published file whole: no reason to fail its writer
+        filesystem.copy(temp_path, final_path, on_error="raise")
+        try:
+            filesystem.rm(temp_path)
+        except Exception as err:  # noqa: BLE001 - whatever the backend raises
+            log.warning("Could not remove the temporary file %s once copied: %s", temp_path, err)
         return
     fd = os.open(temp_path, os.O_RDONLY)
     try:
@@ -51,6 +61,16 @@ def publish(filesystem: Any, temp_path: str, final_path: str) -> None:
         os.close(fd)
     os.replace(temp_path, final_path)
     _sync_folder(os.path.dirname(final_path) or ".")
+
+
+def _moves_by_copy(filesystem: Any) -> bool:
+    """Whether an fsspec file system's ``mv`` is fsspec's generic one (a copy, then a delete),
+    as on object stores, rather than a rename of the store's own."""
+    from fsspec.asyn import AsyncFileSystem
+    from fsspec.spec import AbstractFileSystem
+
+    generic = (AbstractFileSystem.mv, AsyncFileSystem.mv)
+    return getattr(type(filesystem), "mv", None) in generic
 
 
 def _sync_folder(folder: str) -> None:
@@ -102,6 +122,10 @@ def remove_leftovers(folder: str, starting: str = ".") -> list[str]:
         entries = filesystem.ls(path, detail=False) if filesystem.exists(path) else []
     except (FileNotFoundError, NotADirectoryError):
         return removed
+    except Exception as err:  # noqa: BLE001 - a listing refused or failed (a network error)
+        # leftovers are a cleanliness matter: their writer's work goes on without it
+        log.warning("Could not list %s for unfinished files: %s", folder, err)
+        return removed
     for entry in entries:
         name = str(entry).rstrip("/").rsplit("/", 1)[-1]
         if name.startswith(starting) and name.endswith(TEMP_SUFFIX):
@@ -109,7 +133,7 @@ def remove_leftovers(folder: str, starting: str = ".") -> list[str]:
                 filesystem.rm(str(entry))
             except FileNotFoundError:
                 continue
-            except OSError as err:
+            except Exception as err:  # noqa: BLE001 - OSError locally, the backend's own remotely
                 log.warning("Could not remove the unfinished file %s: %s", entry, err)
                 continue
             removed.append(str(entry))

@@ -232,6 +232,43 @@ def test_older_checkpoints_go_only_once_the_driver_holds_the_new_one(
     assert "resume-epoch=1-step=12.ckpt" in _names(storage)
 
 
+def test_a_store_that_refuses_deletes_or_listings_keeps_the_checkpoint_and_training(
+    monkeypatch, caplog
+):
+    """On an object store fsspec's ``mv`` is a copy, then a delete of the temporary file; a
+    delete refused (a bucket without delete permission) or a listing that fails once the driver
+    holds the checkpoint (a throttled store) is a warning: the checkpoint is whole, and its
+    writer trains on (an error there would end the fit as one of user code, unretried)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    storage = f"memory://runs/{os.getpid()}-{time.monotonic_ns()}"
+    outbox = _Outbox()
+    monkeypatch.setattr(resume, "get_outbox", lambda: outbox)
+
+    def refused(self, path, *args, **kwargs):
+        raise PermissionError(f"AccessDenied: DeleteObject {path}")
+
+    try:
+        with monkeypatch.context() as patched, caplog.at_level(logging.WARNING):
+            patched.setattr(MemoryFileSystem, "rm", refused)
+            first = _save(storage, 0, outbox)
+            assert "Could not remove the temporary file" in caplog.text
+            assert resume_points.checkpoint_problem(str(first.uri)) is None
+
+            def unlisted(folder):
+                raise OSError(f"SlowDown: listing {folder}")
+
+            patched.setattr(resume, "stored_points", unlisted)
+            second = _save(storage, 1, outbox)
+            assert "Could not list" in caplog.text and "SlowDown" in caplog.text
+        assert [p.uri for p in outbox.points] == [first.uri, second.uri]
+        assert second.uri == f"{storage}/resume-epoch=1-step=12.ckpt"
+        point, damaged = newest_complete_point(storage)
+        assert point is not None and (point.epoch, damaged) == (1, [])
+    finally:
+        resume_points.remove_storage_folder(storage)
+
+
 KEEPS_A_COPY = textwrap.dedent(
     """
     import sys, time

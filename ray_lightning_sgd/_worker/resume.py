@@ -317,11 +317,12 @@ def _delete_older(storage: str, point: ResumePoint, keep_last: int) -> None:
     """Runs on rank 0, once the driver holds ``point``. Deletes the storage's resume checkpoints
     older than ``point`` but the newest ``keep_last - 1`` (newer ones, of an attempt that died,
     stay: they are whole checkpoints of the same run)."""
-    older = [
-        p
-        for p in stored_points(storage)
-        if (p.epoch, p.global_step) < (point.epoch, point.global_step)
-    ]
+    try:
+        stored = stored_points(storage)
+    except Exception as err:  # noqa: BLE001 - a listing refused or failed: the checkpoint is safe
+        log.warning("Could not list %s to delete older resume checkpoints: %s", storage, err)
+        return
+    older = [p for p in stored if (p.epoch, p.global_step) < (point.epoch, point.global_step)]
     for old in older[: max(0, len(older) - (keep_last - 1))]:
         try:
             filesystem, path = fsspec_path(str(old.uri))
