@@ -10,6 +10,7 @@ import time
 import pytest
 import pytorch_lightning as pl
 import ray
+import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, ResourcesUnavailableError
@@ -217,6 +218,28 @@ def test_world_sizes_by_epoch_follow_the_attempt_that_trained_each_epoch():
     run.attempt_started(_workers(1))
     run.fit_ended(7)
     assert run.world_sizes == {**by_epoch, 5: 1, 6: 1}
+
+
+def test_a_new_driver_reads_from_its_name_where_a_preemptions_checkpoint_resumes(tmp_path):
+    """A preemption's checkpoint (inside epoch 2, after 3 batches) found by a new driver of a
+    named run: epoch 2 trains again on the new size, and the log says "in epoch 2"; before,
+    the name gave no batches, so epoch 2 was missing from world_sizes and the log said "after"."""
+    from ray_lightning_sgd._boundary.resume_points import checkpoint_name, stored_points
+    from ray_lightning_sgd._driver import runs
+
+    folder = tmp_path / "digits"
+    folder.mkdir()
+    torch.save({"epoch": 1}, folder / checkpoint_name(1, 12))
+    torch.save({"epoch": 2}, folder / checkpoint_name(2, 15, batches=3))
+    point = runs.resume_named_run(str(folder), "digits", {"strategy": "RaySGDStrategy"})
+    assert point is not None and (point.epoch, point.global_step, point.batches) == (2, 15, 3)
+    assert point.describe() == "in epoch 2 after 3 batches (global step 15)"
+    run = Run(point)
+    run.attempt_started(_workers(2))
+    run.fit_ended(4)
+    assert run.world_sizes == {2: 2, 3: 2}
+    # an epoch's end has no batches in its name, as before: older runs' files read alike
+    assert [p.batches for p in stored_points(str(folder))] == [None, 3]
 
 
 def test_a_warm_elastic_group_is_reused_only_at_the_largest_size_the_cluster_places(free_cluster):

@@ -45,13 +45,17 @@ class ResumePoint:
         )
 
 
-#: How a resume checkpoint in a storage is named: its epoch and global step.
-_CHECKPOINT_NAME = re.compile(r"resume-epoch=(\d+)-step=(\d+)\.ckpt")
+#: How a resume checkpoint in a storage is named: its epoch and global step, and the batches of
+#: the epoch it was written after when written inside it (a preemption's).
+_CHECKPOINT_NAME = re.compile(r"resume-epoch=(\d+)-step=(\d+)(?:-batches=(\d+))?\.ckpt")
 
 
-def checkpoint_name(epoch: int, global_step: int) -> str:
-    """The file name of the resume checkpoint of ``epoch`` in a storage folder."""
-    return f"resume-epoch={epoch}-step={global_step}.ckpt"
+def checkpoint_name(epoch: int, global_step: int, batches: int | None = None) -> str:
+    """The file name of the resume checkpoint of ``epoch`` in a storage folder (``batches``:
+    written after that many batches of the epoch, at a preemption notice; None: at its end).
+    A new driver reads from the name where the run resumes."""
+    inside = "" if batches is None else f"-batches={batches}"
+    return f"resume-epoch={epoch}-step={global_step}{inside}.ckpt"
 
 
 def remove_storage_folder(uri: str) -> None:
@@ -83,8 +87,9 @@ def stored_points(storage: str) -> list[ResumePoint]:
         found = _CHECKPOINT_NAME.fullmatch(str(entry).rstrip("/").rsplit("/", 1)[-1])
         if found:
             epoch, step = int(found[1]), int(found[2])
-            uri = f"{storage.rstrip('/')}/{checkpoint_name(epoch, step)}"
-            points.append(ResumePoint(epoch, step, uri=uri))
+            batches = None if found[3] is None else int(found[3])
+            uri = f"{storage.rstrip('/')}/{checkpoint_name(epoch, step, batches)}"
+            points.append(ResumePoint(epoch, step, uri=uri, batches=batches))
     return sorted(points, key=lambda point: (point.epoch, point.global_step))
 
 
@@ -172,6 +177,7 @@ def resolve(point: ResumePoint) -> ResumePoint:
     )
     # the loggers keep the rows before the older point's step (one optimizer: its global step)
     return dataclasses.replace(
-        point, epoch=found.epoch, global_step=found.global_step, uri=found.uri, batches=None,
+        point, epoch=found.epoch, global_step=found.global_step, uri=found.uri,
+        batches=found.batches,
         logged_step=min(point.logged_step, found.global_step),
     )  # fmt: skip

@@ -246,9 +246,10 @@ class ResumeCheckpointBase:
         # a sharded strategy saves this checkpoint whole (see OnWorkersBase.resume_checkpoints)
         whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
         rank_zero = trainer.global_rank == 0
+        batches = None if self._saving is None else self._saving[0]
         if self._storage is not None:
             folder = self._storage.rstrip("/")
-            name = checkpoint_name(trainer.current_epoch, trainer.global_step)
+            name = checkpoint_name(trainer.current_epoch, trainer.global_step, batches)
             uri, temp = f"{folder}/{name}", f"{folder}/{_files.temp_name(name, unique=False)}"
             if rank_zero:
                 _files.remove_leftovers(folder, starting=".resume-")  # of a killed writer
@@ -279,7 +280,7 @@ class ResumeCheckpointBase:
             trainer.current_epoch, trainer.global_step, data=data, uri=uri,
             logger_versions=tuple(logger_versions(trainer)) if rank_zero else (),
             logged_step=logged_step(trainer),
-            batches=None if self._saving is None else self._saving[0],
+            batches=batches,
         )  # fmt: skip
         if rank_zero:
             # the checkpoint is safe in the driver before training goes on
