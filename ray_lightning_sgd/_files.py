@@ -28,6 +28,16 @@ def temp_name(name: str, unique: bool = True) -> str:
     return f".{name}{tag}{TEMP_SUFFIX}"
 
 
+def child(folder: str, name: str) -> str:
+    """``name`` inside ``folder`` (a local path or an fsspec URI), one slash between: a URI of
+    a store's root keeps its ``://`` (``memory://`` gives ``memory://name``; stripping its
+    slashes would give ``memory:/name``, which fsspec reads as a local path)."""
+    stripped = folder.rstrip("/")
+    if stripped.endswith(":") and "://" in folder:
+        return f"{folder}{name}"
+    return f"{stripped}/{name}"
+
+
 def is_local(filesystem: Any) -> bool:
     """Whether an fsspec file system is the local one (where ``os`` calls apply)."""
     protocol = filesystem.protocol

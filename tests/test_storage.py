@@ -104,6 +104,38 @@ def test_storage_the_driver_cannot_reach_is_left_to_the_workers(
         _fit(max_failures=2, checkpoint_storage=str(read_only_folder / "ckpts"))
 
 
+@pytest.mark.parametrize("client", [False, True], ids=["local-driver", "ray-client"])
+def test_a_named_run_on_a_uri_the_driver_cannot_open_fails_before_ray(
+    no_connect, monkeypatch, client
+):
+    """The driver of a named run reads and writes its folder (run.json, the checkpoint a new
+    driver resumes from): a URI whose package only the workers would have is refused before
+    Ray is touched (before, a warning, then fsspec's ImportError after the connection)."""
+    with pytest.raises(ImportError):  # this machine has no s3fs
+        import s3fs  # noqa: F401
+    if client:
+        monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    with pytest.raises(
+        ConfigurationError, match=r"checkpoint_storage='s3://bucket/runs' with a run_name.*s3fs"
+    ):
+        _fit(max_failures=1, checkpoint_storage="s3://bucket/runs", run_name="digits")
+
+
+def test_a_stores_root_uri_keeps_its_slashes(no_connect, tmp_path, monkeypatch):
+    """``memory://`` (a store's root): its run folders are ``memory://<name>``; stripping the
+    slashes gave ``memory:/<name>``, which fsspec reads as a local folder named ``memory:``."""
+    import fsspec
+
+    monkeypatch.chdir(tmp_path)
+    assert storage.run_folder("memory://", "abc", "r") == "memory://r"
+    assert storage.run_folder("file:///", "abc", None) == "file:///run-abc"
+    with pytest.raises(_Connected):  # the storage passed its check
+        _fit(max_failures=1, checkpoint_storage="memory://", run_name="root-run")
+    assert fsspec.filesystem("memory").exists("/root-run")
+    assert os.listdir(tmp_path) == [], "no local folder made for a URI"
+    fsspec.filesystem("memory").rm("/root-run", recursive=True)
+
+
 def test_a_storage_fsspec_cannot_open_is_a_configuration_error():
     with pytest.raises(ConfigurationError, match=r"checkpoint_storage='s4://bucket/runs'"):
         storage.check_writable("s4://bucket/runs", "s4://bucket/runs")  # no such protocol
@@ -115,7 +147,7 @@ def test_a_named_run_on_a_local_path_behind_a_ray_client_is_warned_about(monkeyp
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
         storage.check_storage("/mnt/runs", None)  # each launch's own folder: the workers' disk
-        storage.check_storage("s3://bucket/runs", "digits")  # both reach a URI
+        storage.check_storage("memory://bucket/runs", "digits")  # both reach a URI
         assert caplog.text == ""
         storage.check_storage("/mnt/runs", "digits")
     assert "run_name='digits'" in caplog.text and "behind a Ray Client" in caplog.text

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_lightning_sgd import _files
 from ray_lightning_sgd.exceptions import RaySGDError
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def stored_points(storage: str) -> list[ResumePoint]:
         if found:
             epoch, step = int(found[1]), int(found[2])
             batches = None if found[3] is None else int(found[3])
-            uri = f"{storage.rstrip('/')}/{checkpoint_name(epoch, step, batches)}"
+            uri = _files.child(storage, checkpoint_name(epoch, step, batches))
             points.append(ResumePoint(epoch, step, uri=uri, batches=batches))
     return sorted(points, key=lambda point: (point.epoch, point.global_step))
 

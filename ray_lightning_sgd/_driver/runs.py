@@ -119,7 +119,7 @@ def resume_named_run(folder: str, name: str, settings: dict[str, str]) -> Resume
             )
     else:
         filesystem.makedirs(path, exist_ok=True)
-        _files.write_atomically(f"{folder.rstrip('/')}/{RUN_FILE}", json.dumps(settings))
+        _files.write_atomically(_files.child(folder, RUN_FILE), json.dumps(settings))
     point, damaged = newest_complete_point(folder)
     if point is None:
         if damaged:

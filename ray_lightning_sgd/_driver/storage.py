@@ -30,13 +30,16 @@ def resolve(storage: str) -> str:
     return os.path.abspath(os.path.expanduser(storage))
 
 
-def check_writable(folder: str, given: str) -> None:
+def check_writable(folder: str, given: str, named: bool = False) -> None:
     """Driver side, before any worker starts: creates ``folder`` (a local path or fsspec URI)
     and a probe file in it, and removes the probe.
 
     Args:
         folder: The folder of ``checkpoint_storage`` that rank 0 will write.
         given: The ``checkpoint_storage`` the user gave, for the message.
+        named: A named run's folder, which the driver itself reads and writes (its lock,
+            ``run.json``, the checkpoint a new driver resumes from): a URI whose package only
+            the workers have is refused then.
 
     Raises:
         ConfigurationError: The folder cannot be created or written, naming ``checkpoint_storage``,
@@ -46,10 +49,17 @@ def check_writable(folder: str, given: str) -> None:
 
     # a temporary name of ours: a driver killed before it removes the probe leaves one that
     # the next writer of the folder removes (``_files.remove_leftovers``)
-    probe = f"{folder.rstrip('/')}/{PROBE_PREFIX}{uuid.uuid4().hex[:12]}{_files.TEMP_SUFFIX}"
+    probe = _files.child(folder, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}{_files.TEMP_SUFFIX}")
     try:
         filesystem, path = fsspec.core.url_to_fs(folder)
     except ImportError as err:  # the URI's package may be on the workers only: they write it
+        if named:
+            raise ConfigurationError(
+                f"checkpoint_storage={given!r} with a run_name: the driver reads and writes the "
+                f"run's folder (run.json, the checkpoint a new driver resumes from), and this "
+                f"one cannot open the URI: {err}. Install that package where the driver runs "
+                "(and on every worker's node)"
+            ) from err
         log.warning(
             "checkpoint_storage=%r is not checked on the driver, which lacks its package (%s); "
             "every worker's node needs it",
@@ -90,16 +100,17 @@ def run_folder(storage: str | None, run_id: str, run_name: str | None) -> str | 
         return None
     # a local path means the same folder to the driver and its workers
     storage = resolve(storage)
-    return f"{storage.rstrip('/')}/{run_name if run_name is not None else f'run-{run_id}'}"
+    return _files.child(storage, run_name if run_name is not None else f"run-{run_id}")
 
 
 def check_storage(given: str, run_name: str | None) -> None:
     """Driver side, before Ray is touched: raises unless the folder rank 0 will write can be
     created and written (a named run's own folder; else the storage, where each launch makes
-    one). Not from a Ray Client (connected, or about to be): its machine's disk is not the
-    cluster's."""
+    one). Not from a Ray Client (connected, or about to be), whose machine's disk is not the
+    cluster's, but for a named run on a URI (its driver reads and writes the run's folder)."""
     if _compat.ray.driver_is_a_client() or os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
-        if run_name is not None and ("://" not in given or given.startswith("file://")):
+        local = "://" not in given or given.startswith("file://")
+        if run_name is not None and local:
             log.warning(
                 "run_name=%r with checkpoint_storage=%r behind a Ray Client: this machine keeps "
                 "the run's lock and run.json in that folder and looks there for its checkpoints, "
@@ -108,7 +119,9 @@ def check_storage(given: str, run_name: str | None) -> None:
                 "reach (s3://..., gs://...).",
                 run_name, given,
             )  # fmt: skip
-        return
+        if run_name is None or local:
+            return
+        # a named run's driver reads and writes its folder itself, from this machine
     root = resolve(given)
-    folder = root if run_name is None else f"{root.rstrip('/')}/{run_name}"
-    check_writable(folder, given)
+    folder = root if run_name is None else _files.child(root, run_name)
+    check_writable(folder, given, named=run_name is not None)

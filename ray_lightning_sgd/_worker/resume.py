@@ -248,9 +248,10 @@ class ResumeCheckpointBase:
         rank_zero = trainer.global_rank == 0
         batches = None if self._saving is None else self._saving[0]
         if self._storage is not None:
-            folder = self._storage.rstrip("/")
+            folder = self._storage
             name = checkpoint_name(trainer.current_epoch, trainer.global_step, batches)
-            uri, temp = f"{folder}/{name}", f"{folder}/{_files.temp_name(name, unique=False)}"
+            uri = _files.child(folder, name)
+            temp = _files.child(folder, _files.temp_name(name, unique=False))
             if rank_zero:
                 _files.remove_leftovers(folder, starting=".resume-")  # of a killed writer
             try:
