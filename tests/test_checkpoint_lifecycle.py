@@ -103,6 +103,7 @@ def _trainer(epoch: int, size: int = 1000) -> SimpleNamespace:
 
     return SimpleNamespace(
         current_epoch=epoch, global_step=step, global_rank=0, loggers=[],
+        should_stop=False, max_epochs=None, max_steps=-1,
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=step)),
         strategy=SimpleNamespace(resume_checkpoints=contextlib.nullcontext, checkpoint_io=writer),
         save_checkpoint=save_checkpoint,
@@ -267,6 +268,35 @@ def test_a_store_that_refuses_deletes_or_listings_keeps_the_checkpoint_and_train
         assert point is not None and (point.epoch, damaged) == (1, [])
     finally:
         resume_points.remove_storage_folder(storage)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named-run", "launch-folder"])
+def test_a_named_runs_last_epoch_writes_the_checkpoint_its_next_driver_resumes_from(
+    tmp_path, monkeypatch, named
+):
+    """checkpoint_every_n_epochs=2 with max_epochs=3, with max_steps, or stopped early: a named
+    run's last epoch writes a resume checkpoint too, so that running the script again trains
+    nothing again (before, it resumed after epoch 1 and trained epoch 2 again). A launch's own
+    folder goes when the fit succeeds: no extra checkpoint there."""
+    outbox = _Outbox()
+    monkeypatch.setattr(resume, "get_outbox", lambda: outbox)
+
+    def epochs(storage: Path, count: int, **limits) -> list[int]:
+        outbox.points.clear()
+        callback = ResumeCheckpointBase(2, str(storage), at_fit_end=named)
+        for epoch in range(count):
+            trainer = _trainer(epoch)
+            vars(trainer).update(limits)
+            callback.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
+        return [point.epoch for point in outbox.points]
+
+    assert epochs(tmp_path / "a", 3, max_epochs=3) == ([1, 2] if named else [1])
+    assert epochs(tmp_path / "b", 4, max_epochs=4) == [1, 3]  # the last epoch's, once
+    # 6 steps an epoch: max_steps=12 ends the fit with epoch 1, 15 inside epoch 2
+    assert epochs(tmp_path / "c", 1, max_epochs=10, should_stop=True) == ([0] if named else [])
+    assert epochs(tmp_path / "d", 3, max_epochs=10, max_steps=15) == ([1, 2] if named else [1])
+    newest, _ = newest_complete_point(str(tmp_path / "a"))
+    assert newest is not None and newest.epoch == (2 if named else 1)
 
 
 KEEPS_A_COPY = textwrap.dedent(

@@ -165,7 +165,9 @@ class RayLauncherBase(_Base):
                 else 0
             ),
             resume_on_preemption=config.max_preemptions != 0,
-            resume_storage=storage, resume_keep_last=config.keep_last, artifacts=mirror,
+            resume_storage=storage, resume_keep_last=config.keep_last,
+            resume_at_fit_end=storage is not None and config.run_name is not None,
+            artifacts=mirror,
             results_in_band=_compat.ray.driver_is_a_client(),
             global_batch_workers=(
                 group.num_workers if self._strategy.keep_global_batch_size and group.elastic else 0

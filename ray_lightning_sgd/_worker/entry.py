@@ -233,6 +233,7 @@ def _add_callbacks(payload: Payload, call: _TrainerCall) -> None:
             payload.resume_every_n_epochs,
             payload.resume_storage,
             keep_last=payload.resume_keep_last,
+            at_fit_end=payload.resume_at_fit_end,
             on_preemption=payload.resume_on_preemption,
             resumed=payload.resume is not None,
         )

@@ -69,7 +69,9 @@ class ResumeCheckpointBase:
 
     Every rank takes part in ``Trainer.save_checkpoint`` (it synchronises); rank 0 writes it, to
     ``storage`` when one is given (a local path or an fsspec URI), else to a local temporary file
-    whose bytes go to the driver.
+    whose bytes go to the driver. With ``at_fit_end`` (a named run) the fit's last epoch saves one
+    too (``max_epochs``, ``max_steps``, or a callback that stopped the fit), so that the run's
+    next driver trains nothing again.
     """
 
     def __init__(
@@ -79,8 +81,10 @@ class ResumeCheckpointBase:
         keep_last: int = 2,
         on_preemption: bool = False,
         resumed: bool = False,
+        at_fit_end: bool = False,
     ) -> None:
         super().__init__()
+        self._at_fit_end = at_fit_end
         self._resumed = resumed  # this attempt resumes from a resume checkpoint
         self._every = every_n_epochs
         self._storage = storage
@@ -231,9 +235,12 @@ class ResumeCheckpointBase:
         )
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._every or (trainer.current_epoch + 1) % self._every:
+        if not self._every:
             return
-        self._save(trainer)
+        if (trainer.current_epoch + 1) % self._every == 0 or (
+            self._at_fit_end and _ends_the_fit(trainer)
+        ):
+            self._save(trainer)
 
     def _save(self, trainer: pl.Trainer) -> ResumePoint:
         """Every rank: saves a resume checkpoint now; rank 0 hands it to the driver.
@@ -313,6 +320,17 @@ class BatchStartBase:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._resume.at_batch_start(trainer, pl_module, batch_idx)
+
+
+def _ends_the_fit(trainer: pl.Trainer) -> bool:
+    """Runs on each worker, at an epoch's end: whether the fit ends with it (its last epoch,
+    ``max_steps`` reached, or a callback that set ``should_stop``: EarlyStopping's)."""
+    max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
+    return bool(
+        trainer.should_stop
+        or (max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs)
+        or (max_steps is not None and max_steps >= 0 and trainer.global_step >= max_steps)
+    )
 
 
 def _delete_older(storage: str, point: ResumePoint, keep_last: int) -> None:
