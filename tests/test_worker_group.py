@@ -20,6 +20,7 @@ from ray_lightning_sgd import (
     WorkerGroup,
     WorkerGroupConfig,
     WorkerGroupError,
+    WorkerTimeoutError,
     get_worker_context,
 )
 from tests.conftest import leftovers
@@ -248,6 +249,27 @@ def test_busy_cluster_times_out_within_startup_timeout(free_cluster):
         assert time.monotonic() - start < 5
     finally:
         hog.shutdown()
+
+
+def test_a_group_placed_late_names_its_startup_timeout_and_the_placements_share(
+    free_cluster, monkeypatch
+):
+    """The cluster placed the group just before startup_timeout_s ran out: the error names the
+    setting and what placing took of it (before: "did not start the workers within 0.3s")."""
+    reserve = WorkerGroup._reserve
+
+    def placed_late(self, deadline):
+        time.sleep(max(0.0, deadline - time.monotonic() - 0.3))
+        return reserve(self, deadline)
+
+    monkeypatch.setattr(WorkerGroup, "_reserve", placed_late)
+    group = WorkerGroup(WorkerGroupConfig(num_workers=1, startup_timeout_s=2))
+    with pytest.raises(
+        WorkerTimeoutError,
+        match=r"did not start within startup_timeout_s=2s, of which the cluster took 1\.\ds",
+    ):
+        group.start()
+    assert leftovers() == ([], [])
 
 
 def _user_broken_pipe_then_exit():

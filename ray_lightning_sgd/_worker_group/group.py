@@ -158,12 +158,19 @@ class WorkerGroup:
             config.resources_per_worker, config.min_workers, config.placement_strategy
         )
         try:
-            self._started = self._start_actors(self._reserve(deadline))
+            reserved = self._reserve(deadline)
+            # the time left for the actors: the error names the whole budget and what placing
+            # the workers took of it (a group placed just before the deadline gets seconds)
+            budget = f"startup_timeout_s={config.startup_timeout_s:g}s"
+            placed_s = config.startup_timeout_s - remaining(deadline)
+            if placed_s >= 1:
+                budget += f", of which the cluster took {placed_s:.1f}s to place them"
+            self._started = self._start_actors(reserved)
             self._state = _State.STARTED
             reported = self._get(
                 [actor.metadata.remote() for actor, _ in self._started],
                 timeout_s=remaining(deadline),
-                what="start the workers",
+                what=f"start within {budget}",
                 metadata=[],
             )
             order = rank_order(reported)
@@ -198,14 +205,14 @@ class WorkerGroup:
                     )
                 ],
                 timeout_s=remaining(deadline),
-                what="start the workers",
+                what=f"start within {budget}",
                 metadata=metadata,
             )
             if config.init_hook is not None:
                 self._get(
                     self.execute_async(config.init_hook),
                     timeout_s=remaining(deadline),
-                    what="run init_hook within startup_timeout_s",
+                    what=f"run init_hook within {budget}",
                     metadata=metadata,
                 )
         except BaseException:
@@ -440,9 +447,9 @@ class WorkerGroup:
                     continue
                 if not give_up:
                     return None  # type: ignore[return-value]  # (wait's answer: still running)
-                raise WorkerTimeoutError(
-                    f"the workers of {self._name} did not {what} within {timeout_s:.1f}s"
-                )
+                if " within " not in what:
+                    what += f" within {timeout_s:.1f}s"
+                raise WorkerTimeoutError(f"the workers of {self._name} did not {what}")
             for ref in ready:
                 try:
                     ray.get(ref)
