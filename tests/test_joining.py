@@ -181,3 +181,25 @@ def test_ray_address_auto_without_a_cluster_is_an_error_not_an_embedded_ray(monk
     assert "RAY_ADDRESS='auto'" in message and "ray start --head" in message
     assert "unset RAY_ADDRESS" in message
     assert started == []
+
+
+def test_a_ray_client_address_where_nothing_answers_fails_within_seconds(monkeypatch):
+    """RAY_ADDRESS=ray://host:port with no Ray Client server there: Ray Client tries for 30 s,
+    then raises a bare ConnectionError; the driver says so within the probe's 3 s, naming
+    RAY_ADDRESS, and starts no Ray."""
+    from ray_lightning_sgd import ClusterConnectionError
+    from ray_lightning_sgd._worker_group import cluster
+
+    started = []
+    port = _free_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: started.append(kwargs))
+    began = time.monotonic()
+    with pytest.raises(ClusterConnectionError) as info:
+        cluster.connect()
+    assert time.monotonic() - began < 5
+    message = str(info.value)
+    assert f"RAY_ADDRESS='ray://127.0.0.1:{port}'" in message
+    assert f"no Ray Client server answers at 127.0.0.1:{port}" in message
+    assert started == []

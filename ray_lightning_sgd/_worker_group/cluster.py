@@ -53,6 +53,17 @@ def connect() -> bool:
         return False
     named = os.environ.get("RAY_ADDRESS", "")
     if named.startswith("ray://"):  # Ray Client: its own connection
+        server = named[len("ray://") :].split("/", 1)[0]
+        if ":" not in server.rsplit("]", 1)[-1]:
+            server += ":10001"  # Ray Client's default port
+        if not _answers(server):
+            # Ray Client would try three times, for 30 s, then raise a bare ConnectionError
+            raise ClusterConnectionError(
+                f"RAY_ADDRESS={named!r}: no Ray Client server answers at {server} (waited "
+                f"{_PROBE_TIMEOUT_S:g} s); start the cluster (its head serves Ray Client on "
+                "port 10001), correct RAY_ADDRESS, or unset it to train on an embedded Ray on "
+                "this machine"
+            )
         ray.init(log_to_driver=True)
         return False
     try:
