@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -327,6 +328,37 @@ def test_an_interrupt_while_an_attempts_datasets_close_still_gives_its_workers_b
     assert launcher._attempt is None and attempt.executor is None
 
 
+def test_an_interrupt_while_rank_0_removes_the_storage_folder_keeps_no_worker_warm(monkeypatch):
+    """A succeeded fit's own storage folder is removed by rank 0 (up to a minute): a Ctrl-C
+    then leaves that rank 0 at it, so its workers are not handed on (before, kept warm)."""
+    from ray_lightning_sgd._driver import launcher as launcher_module
+    from ray_lightning_sgd._driver.run import Run
+    from ray_lightning_sgd.pytorch_lightning import RayLauncher, RaySGDStrategy
+
+    released: list[tuple[object, bool]] = []
+    monkeypatch.setattr(
+        launcher_module.pool, "release", lambda e, keep, graceful: released.append((e, keep))
+    )
+    monkeypatch.setattr(launcher_module._scratch, "sweep", lambda wait_s=0.0: [])
+    removing: list[str] = []
+
+    def interrupted(executor, uri) -> bool:
+        removing.append(uri)
+        raise KeyboardInterrupt
+
+    launcher = RayLauncher(RaySGDStrategy(num_workers=1))
+    for remove, kept in ((lambda executor, uri: True, True), (interrupted, False)):
+        monkeypatch.setattr(launcher_module, "_remove_storage_folder", remove)
+        executor = object()
+        attempt = launcher_module._Attempt(executor, None, "call-0")  # type: ignore[arg-type]
+        with contextlib.nullcontext() if kept else pytest.raises(KeyboardInterrupt):
+            launcher._stop_attempt(
+                attempt, succeeded=True, run=Run(), inbox=None, storage_to_remove="/s/run-1"
+            )
+        assert released[-1] == (executor, kept)
+    assert removing == ["/s/run-1"]
+
+
 @pytest.mark.parametrize("outcome", ["result", RaySGDError("the call failed")])
 def test_an_interrupt_while_the_workers_stop_still_closes_the_scaling_policy(outcome):
     # what the policy holds (a probe's reservation) must go even when Ctrl-C lands in the stop
@@ -336,3 +368,32 @@ def test_an_interrupt_while_the_workers_stop_still_closes_the_scaling_policy(out
         script.controller(scaling=policy).run()
     assert policy.closed == 1
     assert script.executors[0].stopped is (outcome == "result")
+
+
+@pytest.mark.parametrize("starts", [True, False], ids=["started", "start-failed"])
+def test_an_executor_is_listed_as_lent_before_the_pool_hands_it_over(monkeypatch, starts):
+    """A Ctrl-C right after the pool found or started an executor, before its caller holds it,
+    must leave it where the exit clean-up finds it; one whose start failed is not listed."""
+    from ray_lightning_sgd._executor import pool as pool_module
+
+    listed_at_start: list[bool] = []
+
+    class Executor:
+        def __init__(self, backend_config, worker_group_config) -> None:
+            pass
+
+        def start(self) -> None:
+            listed_at_start.append(self in pool_module._leased)
+            if not starts:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool_module, "BackendExecutor", Executor)
+    monkeypatch.setattr(pool_module, "_session", lambda: ("job", "node"))
+    monkeypatch.setattr(pool_module, "_leased", [])
+    monkeypatch.setattr(pool_module, "_idle", [])
+    with contextlib.nullcontext() if starts else pytest.raises(KeyboardInterrupt):
+        executor, warm = pool_module._find_or_start(None, None, reuse=True)  # type: ignore[arg-type]
+        assert not warm and pool_module._leased == [executor]
+    assert listed_at_start == [True]
+    if not starts:
+        assert pool_module._leased == []

@@ -224,6 +224,36 @@ def test_a_handler_installed_in_c_still_runs_after_a_launch():
     assert done.stdout.strip() == "alive" and done.stderr.count("most recent call first") == 2
 
 
+def test_a_second_sigterm_does_not_cut_the_clean_up_the_first_started():
+    """The first SIGTERM raises (the launch stops its workers on the way out); a second one
+    during that clean-up is noted, not the default action that ends the process halfway; the
+    handler before the launch is back after it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, time\n"
+        "from ray_lightning_sgd._driver import signals\n"
+        "try:\n"
+        "    with signals.sigterm_raises(SystemExit):\n"
+        "        try:\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "            time.sleep(5)\n"
+        "        finally:\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)  # during the clean-up\n"
+        "            time.sleep(0.2)\n"
+        "            print('cleaned up', flush=True)\n"
+        "except SystemExit as ended:\n"
+        "    print('exit', ended.code, flush=True)\n"
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["cleaned", "up", "exit", "143", "True"]
+
+
 def _scheduled_inbox(monkeypatch, workers: int) -> tuple[RunInbox, list[int], list[float]]:
     """A RunInbox over ``workers`` ranks on a fake clock, whose polls are answered at once; the
     ranks it puts the news question to are in ``inbox.news_asked``."""

@@ -256,13 +256,10 @@ class RayLauncherBase(_Base):
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
         putter.shutdown(wait=False)
         del packed
+        self._attempt = attempt = _Attempt(None, shipped, payload.call_id)
         try:
-            executor = self._start_executor()
-        except BaseException:
-            shipped.cancel()  # nothing keeps the payload in the object store
-            raise
-        self._attempt = attempt = _Attempt(executor, shipped, payload.call_id)
-        try:
+            # held by the attempt as it returns: a Ctrl-C right after still stops its workers
+            attempt.executor = executor = self._start_executor()
             run.attempt_started(executor.worker_group.metadata)
             if growth is not None:
                 growth.attempt_started(run.size)
@@ -278,6 +275,10 @@ class RayLauncherBase(_Base):
                 self.worker_half, shipped.result(), imports, attempt.splits, attempt.call_id
             )
         except BaseException:  # the controller stops only the attempts it got back
+            if attempt.executor is None:  # none started
+                self._attempt = None
+                shipped.cancel()  # nothing keeps the payload in the object store
+                raise
             self._stop_attempt(attempt, succeeded=False, run=run, inbox=inbox)
             raise
         return attempt
@@ -318,7 +319,9 @@ class RayLauncherBase(_Base):
         attempt.shipped, attempt.refs = None, []  # the payload may leave the object store
         self._attempt = None
         splits, attempt.splits = attempt.splits, []
-        removed = True
+        # False until rank 0 has removed the folder: a Ctrl-C during the removal (up to a
+        # minute) leaves that rank 0 at it, not one to keep warm
+        removed = storage_to_remove is None
         try:
             datasets.close(splits)  # the workers are done with them, or about to be stopped
             if succeeded and executor is not None and storage_to_remove is not None:
@@ -343,9 +346,8 @@ class RayLauncherBase(_Base):
         config = strategy.worker_group_config
         if config.ship_driver_code:
             config = dataclasses.replace(config, driver_code=_driver_code())
-        executor, warm = pool.acquire(strategy.backend_config, config, reuse=strategy.reuse_workers)
-        log.debug("%s workers for this call", "warm" if warm else "new")
-        return executor
+        # returned at once: the attempt holds it before a Ctrl-C can land (the pool logs reuse)
+        return pool.acquire(strategy.backend_config, config, reuse=strategy.reuse_workers)[0]
 
     def worker_stacks(self, timeout_s: float) -> list[RankStack]:
         """Driver side, any thread: every rank's stack now; [] when no call runs."""

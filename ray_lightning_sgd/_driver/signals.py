@@ -36,8 +36,9 @@ def sigterm_raises(exception: type[BaseException]) -> Iterator[None]:
 
     def handler(signum: int, frame: Any) -> None:
         log.info("Received SIGTERM on the driver: stopping the workers")
-        # a second SIGTERM must not interrupt the clean-up this one starts
-        signal.signal(signal.SIGTERM, previous)
+        # a second SIGTERM must not interrupt the clean-up this one starts (the previous
+        # handler, Ray's exit or the default action, would end it halfway); SIGKILL still does
+        signal.signal(signal.SIGTERM, _stopping_already)
         if chained is not None:
             chained(signum, frame)
         raise exception(128 + signum)  # the exit status of a process ended by the signal
@@ -47,6 +48,10 @@ def sigterm_raises(exception: type[BaseException]) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _stopping_already(signum: int, frame: Any) -> None:
+    log.info("Received SIGTERM again on the driver: the workers are being stopped already")
 
 
 def _handled_outside_python(number: int) -> bool:

@@ -58,10 +58,14 @@ def acquire(
     answer is lent again; an elastic one only if the cluster has no room for a larger size now.
     Otherwise every idle executor is shut down (freeing its resources) and a new one is started.
     """
-    executor, warm = _find_or_start(backend_config, worker_group_config, reuse)
+    return _find_or_start(backend_config, worker_group_config, reuse)
+
+
+def _lease(executor: BackendExecutor) -> None:
+    """Lists ``executor`` as lent, before it leaves this module: a Ctrl-C anywhere after it
+    was found or started leaves it in a list that the exit clean-up stops."""
     with _lock:
         _leased.append(executor)
-    return executor, warm
 
 
 def _find_or_start(
@@ -100,6 +104,7 @@ def _find_or_start(
             match = None
         if match is not None and match.executor.is_alive(_HEALTH_CHECK_S):
             log.debug("Reusing warm worker group %s", match.executor.worker_group.name)
+            _lease(match.executor)
             return match.executor, True
     except BaseException:
         # interrupted (Ctrl-C) while it held groups no list knows of any more: none may leak
@@ -118,7 +123,13 @@ def _find_or_start(
         )
         match.executor.shutdown(graceful=False)
     executor = BackendExecutor(backend_config, worker_group_config)
-    executor.start()  # shuts its workers down itself when it fails or is interrupted
+    _lease(executor)
+    try:
+        executor.start()  # shuts its workers down itself when it fails or is interrupted
+    except BaseException:
+        with _lock:
+            _leased.remove(executor)
+        raise
     return executor, False
 
 
@@ -179,11 +190,13 @@ def release(executor: BackendExecutor, *, keep: bool, graceful: bool = True) -> 
         # workers now, while they wait, rather than at the start of the next call
         executor.run_async(_collect_garbage)
         idle = _Idle(executor.backend_config, executor.worker_group.config, _session(), executor)
+        with _lock:  # inside: a Ctrl-C before it is listed idle still stops it
+            _idle.append(idle)
     except BaseException:
+        with _lock:
+            _idle[:] = [idle for idle in _idle if idle.executor is not executor]
         executor.shutdown(graceful=False)  # neither kept nor left running
         raise
-    with _lock:
-        _idle.append(idle)
 
 
 def leased_group_names() -> list[str]:
