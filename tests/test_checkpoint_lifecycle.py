@@ -696,15 +696,27 @@ class _NoThread:
         pass
 
 
-@pytest.mark.parametrize("wrapped", [None, _SlowWriter], ids=["lightnings_writer", "a_slow_one"])
+@pytest.mark.parametrize(
+    ("wrapped", "subclassed"),
+    [(None, False), (_SlowWriter, False), (_SlowWriter, True)],
+    ids=["lightnings_writer", "a_slow_one", "a_users_subclass"],
+)
 def test_an_asynchronous_writer_has_a_resume_checkpoint_whole_before_it_is_handed_on(
-    tmp_path, monkeypatch, wrapped
+    tmp_path, monkeypatch, wrapped, subclassed
 ):
     """Lightning's AsyncCheckpointIO returns before the file exists; rank 0 then renames, reads
-    and hands on the resume checkpoint at once. It is saved whole first, in that thread."""
+    and hands on the resume checkpoint at once. It is saved whole first, in that thread; so it is
+    through a user's subclass of it (which still writes in its thread)."""
     from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
-    writer = AsyncCheckpointIO(None if wrapped is None else wrapped())
+    class Counted(AsyncCheckpointIO):
+        """A user's subclass that overrides save_checkpoint (one that logs, say)."""
+
+        def save_checkpoint(self, *args, **kwargs):
+            return super().save_checkpoint(*args, **kwargs)
+
+    kind = Counted if subclassed else AsyncCheckpointIO
+    writer = kind(None if wrapped is None else wrapped())
     trainer = pl.Trainer(
         max_epochs=1, accelerator="cpu", enable_checkpointing=False, plugins=[writer],
         **quiet_trainer_kwargs(),

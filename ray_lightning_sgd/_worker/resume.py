@@ -378,17 +378,21 @@ def _saved_in_place(strategy: Any) -> Iterator[None]:
       worker) leaves a file of the checkpoint's size there that nothing removes. The path given
       here is already a temporary name of the checkpoint's own folder, renamed into place once
       complete and removed (or swept) when not, so here it writes that path straight.
-    - Lightning's ``AsyncCheckpointIO`` returns before the file exists and writes it in a
-      thread: rank 0 would then rename, read or hand over a file not yet written. Here it saves
-      through the writer it wraps, in the calling thread (its other checkpoints stay
-      asynchronous).
+    - Lightning's ``AsyncCheckpointIO`` (or a subclass of it) returns before the file exists
+      and writes it in a thread: rank 0 would then rename, read or hand over a file not yet
+      written. Here it saves through the writer it wraps, in the calling thread (its other
+      checkpoints stay asynchronous).
 
     A checkpoint writer of the user's own, a storage URI or ``storage_options`` keep their own
-    way.
+    way (a writer of the user's own must have the file whole when its ``save_checkpoint``
+    returns, as Lightning's ``CheckpointIO`` contract says for synchronous writers).
     """
     writer: Any = getattr(strategy, "checkpoint_io", None)
     inner: Any = writer
-    if _is_lightnings(type(writer), "AsyncCheckpointIO", "plugins.io.async_plugin"):
+    if any(
+        _is_lightnings(kind, "AsyncCheckpointIO", "plugins.io.async_plugin")
+        for kind in type(writer).__mro__
+    ):  # Lightning's, or a user's subclass of it: it writes in its thread all the same
         inner = writer.checkpoint_io
     kind: Any = type(inner)
     if not _is_lightnings(kind, "TorchCheckpointIO", "plugins.io.torch_io"):
