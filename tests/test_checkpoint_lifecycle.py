@@ -270,33 +270,68 @@ def test_a_store_that_refuses_deletes_or_listings_keeps_the_checkpoint_and_train
         resume_points.remove_storage_folder(storage)
 
 
+class _StopAfter(pl.Callback):
+    """Stops the fit at the end of epoch ``epoch`` in the monitoring turn, where Lightning's
+    EarlyStopping decides (after this package's epoch-end hook)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.should_stop = True
+
+    @property
+    def state_key(self) -> str:
+        return "stop-after"
+
+
 @pytest.mark.parametrize("named", [True, False], ids=["named-run", "launch-folder"])
-def test_a_named_runs_last_epoch_writes_the_checkpoint_its_next_driver_resumes_from(
+def test_a_named_runs_fit_ends_with_the_checkpoint_its_next_driver_resumes_from(
     tmp_path, monkeypatch, named
 ):
-    """checkpoint_every_n_epochs=2 with max_epochs=3, with max_steps, or stopped early: a named
-    run's last epoch writes a resume checkpoint too, so that running the script again trains
-    nothing again (before, it resumed after epoch 1 and trained epoch 2 again). A launch's own
-    folder goes when the fit succeeds: no extra checkpoint there."""
+    """checkpoint_every_n_epochs=2 with max_epochs=3, or stopped early by a callback: a named
+    run's fit writes a resume checkpoint as it ends, so that running the script again trains
+    nothing again (before, it resumed after epoch 1 and trained epoch 2 again); one that ends
+    on a checkpointed epoch writes none more. A launch's own folder goes when the fit succeeds:
+    no extra checkpoint there. Real Trainers (the hooks' order decides), one process."""
     outbox = _Outbox()
     monkeypatch.setattr(resume, "get_outbox", lambda: outbox)
+    writer = type("ResumeCheckpoint", (ResumeCheckpointBase, pl.Callback), {})
 
-    def epochs(storage: Path, count: int, **limits) -> list[int]:
+    def fit(storage: Path, max_epochs: int, *callbacks, every: int = 2, **kwargs) -> list[str]:
         outbox.points.clear()
-        callback = ResumeCheckpointBase(2, str(storage), at_fit_end=named)
-        for epoch in range(count):
-            trainer = _trainer(epoch)
-            vars(trainer).update(limits)
-            callback.on_train_epoch_end(trainer, None)  # type: ignore[arg-type]
-        return [point.epoch for point in outbox.points]
+        trainer = pl.Trainer(
+            max_epochs=max_epochs, accelerator="cpu", enable_checkpointing=False,
+            callbacks=[writer(every, str(storage), at_fit_end=named), *callbacks],
+            **quiet_trainer_kwargs(),
+        )  # fmt: skip
+        monkeypatch.setattr(
+            trainer.strategy, "resume_checkpoints", contextlib.nullcontext, raising=False
+        )
+        trainer.fit(TinyModel(), loader(), **kwargs)
+        return [Path(str(point.uri)).name for point in outbox.points]
 
-    assert epochs(tmp_path / "a", 3, max_epochs=3) == ([1, 2] if named else [1])
-    assert epochs(tmp_path / "b", 4, max_epochs=4) == [1, 3]  # the last epoch's, once
-    # 6 steps an epoch: max_steps=12 ends the fit with epoch 1, 15 inside epoch 2
-    assert epochs(tmp_path / "c", 1, max_epochs=10, should_stop=True) == ([0] if named else [])
-    assert epochs(tmp_path / "d", 3, max_epochs=10, max_steps=15) == ([1, 2] if named else [1])
-    newest, _ = newest_complete_point(str(tmp_path / "a"))
-    assert newest is not None and newest.epoch == (2 if named else 1)
+    # 12 batches of 8 samples a process: 12 steps an epoch
+    assert fit(tmp_path / "a", 3) == [
+        "resume-epoch=1-step=24.ckpt",
+        *(["resume-epoch=2-step=36.ckpt"] if named else []),
+    ]
+    assert fit(tmp_path / "b", 2) == ["resume-epoch=1-step=24.ckpt"]  # no second one
+    assert fit(tmp_path / "c", 5, _StopAfter(0)) == (
+        ["resume-epoch=0-step=12.ckpt"] if named else []
+    )
+    if named:  # the next driver's fit: Lightning stops at once, nothing trained again
+        point, _ = newest_complete_point(str(tmp_path / "a"))
+        assert point is not None and (point.epoch, point.global_step) == (2, 36)
+        again = pl.Trainer(max_epochs=3, accelerator="cpu", **quiet_trainer_kwargs())
+        model = TinyModel()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        again.fit(model, loader(), ckpt_path=str(point.uri))
+        assert again.global_step == 36
+        assert not any(torch.equal(before[k], v) for k, v in model.state_dict().items()), (
+            "the trained weights were loaded"
+        )
 
 
 KEEPS_A_COPY = textwrap.dedent(

@@ -69,9 +69,9 @@ class ResumeCheckpointBase:
 
     Every rank takes part in ``Trainer.save_checkpoint`` (it synchronises); rank 0 writes it, to
     ``storage`` when one is given (a local path or an fsspec URI), else to a local temporary file
-    whose bytes go to the driver. With ``at_fit_end`` (a named run) the fit's last epoch saves one
-    too (``max_epochs``, ``max_steps``, or a callback that stopped the fit), so that the run's
-    next driver trains nothing again.
+    whose bytes go to the driver. With ``at_fit_end`` (a named run) a fit that ends after an
+    epoch without one (``checkpoint_every_n_epochs`` does not divide it, ``max_steps``, an early
+    stop) saves one as it ends, so that the run's next driver trains nothing again.
     """
 
     def __init__(
@@ -85,6 +85,8 @@ class ResumeCheckpointBase:
     ) -> None:
         super().__init__()
         self._at_fit_end = at_fit_end
+        #: The (epoch, global step) of this attempt's latest epoch-end checkpoint.
+        self._saved_at: tuple[int, int] | None = None
         self._resumed = resumed  # this attempt resumes from a resume checkpoint
         self._every = every_n_epochs
         self._storage = storage
@@ -188,6 +190,12 @@ class ResumeCheckpointBase:
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_watching()
+        # here, not at the last epoch's end: Lightning's EarlyStopping and the module's own hook
+        # decide to stop after this package's epoch-end hook has run (and only a fit that ends
+        # runs this hook: not one stopped by an error or a preemption)
+        last = max(0, trainer.current_epoch - 1)  # the epoch counts as completed by now
+        if self._at_fit_end and self._every and self._saved_at != (last, trainer.global_step):
+            self._save(trainer, epoch=last)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -235,15 +243,14 @@ class ResumeCheckpointBase:
         )
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._every:
+        if not self._every or (trainer.current_epoch + 1) % self._every:
             return
-        if (trainer.current_epoch + 1) % self._every == 0 or (
-            self._at_fit_end and _ends_the_fit(trainer)
-        ):
-            self._save(trainer)
+        self._save(trainer)
+        self._saved_at = (trainer.current_epoch, trainer.global_step)
 
-    def _save(self, trainer: pl.Trainer) -> ResumePoint:
-        """Every rank: saves a resume checkpoint now; rank 0 hands it to the driver.
+    def _save(self, trainer: pl.Trainer, epoch: int | None = None) -> ResumePoint:
+        """Every rank: saves a resume checkpoint now; rank 0 hands it to the driver. ``epoch``:
+        the epoch it is named after, when not the Trainer's current one (at the fit's end).
 
         In a storage, rank 0 writes it under a temporary name of the folder and renames it into
         place once complete, and deletes older checkpoints only after the driver holds this one:
@@ -254,9 +261,10 @@ class ResumeCheckpointBase:
         whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
         rank_zero = trainer.global_rank == 0
         batches = None if self._saving is None else self._saving[0]
+        epoch = trainer.current_epoch if epoch is None else epoch
         if self._storage is not None:
             folder = self._storage
-            name = checkpoint_name(trainer.current_epoch, trainer.global_step, batches)
+            name = checkpoint_name(epoch, trainer.global_step, batches)
             uri = _files.child(folder, name)
             temp = _files.child(folder, _files.temp_name(name, unique=False))
             if rank_zero:
@@ -285,7 +293,7 @@ class ResumeCheckpointBase:
             finally:
                 _scratch.release(held)
         point = ResumePoint(
-            trainer.current_epoch, trainer.global_step, data=data, uri=uri,
+            epoch, trainer.global_step, data=data, uri=uri,
             logger_versions=tuple(logger_versions(trainer)) if rank_zero else (),
             logged_step=logged_step(trainer),
             batches=batches,
@@ -320,17 +328,6 @@ class BatchStartBase:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._resume.at_batch_start(trainer, pl_module, batch_idx)
-
-
-def _ends_the_fit(trainer: pl.Trainer) -> bool:
-    """Runs on each worker, at an epoch's end: whether the fit ends with it (its last epoch,
-    ``max_steps`` reached, or a callback that set ``should_stop``: EarlyStopping's)."""
-    max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
-    return bool(
-        trainer.should_stop
-        or (max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs)
-        or (max_steps is not None and max_steps >= 0 and trainer.global_step >= max_steps)
-    )
 
 
 def _delete_older(storage: str, point: ResumePoint, keep_last: int) -> None:
