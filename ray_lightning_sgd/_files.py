@@ -32,10 +32,10 @@ def child(folder: str, name: str) -> str:
     """``name`` inside ``folder`` (a local path or an fsspec URI), one slash between: a URI of
     a store's root keeps its ``://`` (``memory://`` gives ``memory://name``; stripping its
     slashes would give ``memory:/name``, which fsspec reads as a local path)."""
-    stripped = folder.rstrip("/")
-    if stripped.endswith(":") and "://" in folder:
-        return f"{folder}{name}"
-    return f"{stripped}/{name}"
+    protocol, separator, rest = folder.partition("://")
+    if separator and not rest.strip("/"):  # a store's root: "memory://", "file:///"
+        return f"{protocol}{separator}{rest}{name}"
+    return f"{folder.rstrip('/')}/{name}"
 
 
 def is_local(filesystem: Any) -> bool:

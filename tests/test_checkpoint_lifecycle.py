@@ -249,6 +249,9 @@ def test_a_store_that_refuses_deletes_or_listings_keeps_the_checkpoint_and_train
     def refused(self, path, *args, **kwargs):
         raise PermissionError(f"AccessDenied: DeleteObject {path}")
 
+    def unlisted_fs(self, path, *args, **kwargs):
+        raise OSError(f"SlowDown: listing {path}")
+
     try:
         with monkeypatch.context() as patched, caplog.at_level(logging.WARNING):
             patched.setattr(MemoryFileSystem, "rm", refused)
@@ -266,6 +269,12 @@ def test_a_store_that_refuses_deletes_or_listings_keeps_the_checkpoint_and_train
         assert second.uri == f"{storage}/resume-epoch=1-step=12.ckpt"
         point, damaged = newest_complete_point(storage)
         assert point is not None and (point.epoch, damaged) == (1, [])
+        # the leftovers' listing before a write, refused alike: a warning, nothing removed
+        caplog.clear()
+        with monkeypatch.context() as patched, caplog.at_level(logging.WARNING):
+            patched.setattr(MemoryFileSystem, "ls", unlisted_fs)
+            assert _files.remove_leftovers(storage) == []
+        assert "Could not list" in caplog.text and "for unfinished files" in caplog.text
     finally:
         resume_points.remove_storage_folder(storage)
 

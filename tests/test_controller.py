@@ -397,3 +397,35 @@ def test_an_executor_is_listed_as_lent_before_the_pool_hands_it_over(monkeypatch
     assert listed_at_start == [True]
     if not starts:
         assert pool_module._leased == []
+
+
+def test_a_warm_executor_interrupted_as_it_is_lent_is_stopped_and_not_listed(monkeypatch):
+    """A Ctrl-C right after a warm executor was listed as lent: the pool stops it (no caller
+    holds it) and takes it off the list (the exit clean-up would stop it a second time)."""
+    from ray_lightning_sgd._executor import pool as pool_module
+
+    stopped: list[bool] = []
+    warm = SimpleNamespace(
+        is_alive=lambda timeout_s: True,
+        shutdown=lambda graceful: stopped.append(graceful),
+        worker_group=SimpleNamespace(name="warm", config=SimpleNamespace(elastic=False)),
+    )
+    lease = pool_module._lease
+
+    def lease_then_interrupt(executor) -> None:
+        lease(executor)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool_module, "_session", lambda: ("job", "node"))
+    monkeypatch.setattr(pool_module, "_code_fits", lambda idle, wanted: True)
+    monkeypatch.setattr(pool_module, "_lease", lease_then_interrupt)
+    monkeypatch.setattr(pool_module, "_leased", [])
+    monkeypatch.setattr(
+        pool_module,
+        "_idle",
+        [pool_module._Idle(None, None, ("job", "node"), warm)],  # type: ignore[arg-type]
+    )
+    with pytest.raises(KeyboardInterrupt):
+        pool_module._find_or_start(None, None, reuse=True)  # type: ignore[arg-type]
+    assert pool_module._leased == [] and pool_module._idle == []
+    assert stopped == [False]

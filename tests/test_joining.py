@@ -192,7 +192,9 @@ def test_a_ray_client_address_where_nothing_answers_fails_within_seconds(monkeyp
 
     started = []
     port = _free_port()
-    monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
+    for name in ("grpc_proxy", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}?tls=0")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda *args, **kwargs: started.append(kwargs))
     began = time.monotonic()
@@ -200,6 +202,12 @@ def test_a_ray_client_address_where_nothing_answers_fails_within_seconds(monkeyp
         cluster.connect()
     assert time.monotonic() - began < 5
     message = str(info.value)
-    assert f"RAY_ADDRESS='ray://127.0.0.1:{port}'" in message
+    assert f"RAY_ADDRESS='ray://127.0.0.1:{port}?tls=0'" in message
     assert f"no Ray Client server answers at 127.0.0.1:{port}" in message
     assert started == []
+    # left to Ray Client: no port (gRPC picks its own), or a proxy that gRPC goes through
+    monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1")
+    assert cluster.connect() is False and len(started) == 1
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
+    monkeypatch.setenv("https_proxy", "http://proxy.invalid:3128")
+    assert cluster.connect() is False and len(started) == 2

@@ -91,7 +91,11 @@ def stored_points(storage: str) -> list[ResumePoint]:
             batches = None if found[3] is None else int(found[3])
             uri = _files.child(storage, checkpoint_name(epoch, step, batches))
             points.append(ResumePoint(epoch, step, uri=uri, batches=batches))
-    return sorted(points, key=lambda point: (point.epoch, point.global_step))
+    # at one epoch and step, an in-epoch point comes before the epoch's end
+    return sorted(
+        points,
+        key=lambda p: (p.epoch, p.global_step, p.batches is None, p.batches or 0),
+    )
 
 
 #: How a zip archive (torch.save's format) starts.

@@ -108,6 +108,9 @@ def _find_or_start(
             return match.executor, True
     except BaseException:
         # interrupted (Ctrl-C) while it held groups no list knows of any more: none may leak
+        with _lock:
+            if match is not None and match.executor in _leased:  # leased, then interrupted
+                _leased.remove(match.executor)
         for idle in [*others, *([match] if match is not None else [])]:
             if idle.session != session:
                 continue  # its Ray session ended, and its actors with it

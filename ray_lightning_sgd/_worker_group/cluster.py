@@ -53,10 +53,8 @@ def connect() -> bool:
         return False
     named = os.environ.get("RAY_ADDRESS", "")
     if named.startswith("ray://"):  # Ray Client: its own connection
-        server = named[len("ray://") :].split("/", 1)[0]
-        if ":" not in server.rsplit("]", 1)[-1]:
-            server += ":10001"  # Ray Client's default port
-        if not _answers(server):
+        server = _client_server(named)
+        if server is not None and not _answers(server):
             # Ray Client would try three times, for 30 s, then raise a bare ConnectionError
             raise ClusterConnectionError(
                 f"RAY_ADDRESS={named!r}: no Ray Client server answers at {server} (waited "
@@ -98,6 +96,17 @@ def connect() -> bool:
     ray.init(address="local", include_dashboard=False, log_to_driver=True)
     log.info("Started an embedded local Ray instance: %s", ray.cluster_resources())
     return True
+
+
+def _client_server(address: str) -> str | None:
+    """The ``host:port`` of a ``ray://`` address to probe, or None where a probe could be
+    wrong: no port given (gRPC picks its own), or a proxy that gRPC would go through."""
+    if any(os.environ.get(name) for name in ("grpc_proxy", "https_proxy", "HTTPS_PROXY")):
+        return None
+    server = address[len("ray://") :].split("/", 1)[0].split("?", 1)[0]
+    if ":" not in server.rsplit("]", 1)[-1]:
+        return None
+    return server
 
 
 def _answers(address: str) -> bool:
