@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import pkgutil
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import ray
@@ -58,7 +62,7 @@ def start_local_ray() -> None:
 _OWN_CLUSTER_FIXTURES = ("two_nodes", "head_and_worker_node", "no_ray")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Runs the suite in the order that starts the fewest workers: tests without Ray first, then
     those that share warm workers, then those that need the cluster free of them, then those that
     replace the shared cluster with one of their own. Within each part, the usual order."""
@@ -72,6 +76,97 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 1 if "ray_cluster" in fixtures else 0
 
     items.sort(key=part)  # stable: each part keeps the files' order
+    _run_beside(config, items)
+
+
+#: Modules whose every test runs on a multi-node cluster of its own (``ray.cluster_utils``),
+#: mostly waiting for a node to join or to be found lost: a second pytest process runs them
+#: beside the rest, in a temporary folder of its own (its Ray, its scratch files), while the
+#: two cores would otherwise idle. Run serially with RAY_LIGHTNING_SGD_TESTS_SERIAL=1.
+BESIDE = ("tests/test_node_loss.py", "tests/test_multinode.py")
+_BESIDE_ENV = "RAY_LIGHTNING_SGD_TESTS_BESIDE"
+#: Seconds the session waits at its end (or before a test that needs the machine free of
+#: other Ray clusters) for the tests run beside it.
+_BESIDE_WAIT_S = 900
+_beside: dict[str, object] = {}
+
+
+def _run_beside(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Starts the second pytest process for :data:`BESIDE`'s selected tests and takes them out
+    of this session; the session's end waits for it and fails if it failed."""
+    if os.environ.get(_BESIDE_ENV) or os.environ.get("RAY_LIGHTNING_SGD_TESTS_SERIAL"):
+        return
+    if config.option.collectonly:
+        return
+    beside = [item for item in items if item.nodeid.split("::")[0] in BESIDE]
+    if not beside or len(beside) == len(items):
+        return
+    folder = tempfile.mkdtemp(prefix="rls-beside-")
+    log = open(os.path.join(folder, "output.txt"), "w+")
+    command = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        f"--basetemp={folder}/pt", *[item.nodeid for item in beside],
+    ]  # fmt: skip
+    environment = {**os.environ, _BESIDE_ENV: "1", "TMPDIR": folder}
+    _beside.update(
+        process=subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=environment,
+            cwd=str(config.rootpath), start_new_session=True,
+        ),
+        log=log, folder=folder, count=len(beside),
+    )  # fmt: skip
+    beside_ids = {id(item) for item in beside}
+    items[:] = [item for item in items if id(item) not in beside_ids]
+    config.hook.pytest_deselected(items=beside)
+
+
+def _wait_beside() -> int | None:
+    """Waits for the tests run beside this session; their exit status (None: none ran)."""
+    process = _beside.get("process")
+    if not isinstance(process, subprocess.Popen):
+        return None
+    if "status" not in _beside:
+        try:
+            _beside["status"] = process.wait(timeout=_BESIDE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            _beside["status"] = process.wait()
+    return int(_beside["status"])  # type: ignore[call-overload]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # a test that ends the shared cluster for one of its own needs no other Ray beside it
+    if set(getattr(item, "fixturenames", ())) & set(_OWN_CLUSTER_FIXTURES):
+        _wait_beside()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    process = _beside.get("process")
+    if exitstatus == pytest.ExitCode.INTERRUPTED and isinstance(process, subprocess.Popen):
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+    status = _wait_beside()
+    if status not in (None, 0) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    status = _wait_beside()
+    if status is None:
+        return
+    log = _beside["log"]
+    log.seek(0)  # type: ignore[attr-defined]
+    output = log.read()  # type: ignore[attr-defined]
+    terminalreporter.section(
+        f"the {_beside['count']} tests of {', '.join(BESIDE)}, run beside this session "
+        f"(exit status {status})"
+    )
+    if status:
+        terminalreporter.write(output + f"(kept: {_beside['folder']})\n")
+    else:
+        terminalreporter.write(output.strip().splitlines()[-1] + "\n")
+        shutil.rmtree(str(_beside["folder"]), ignore_errors=True)
 
 
 @pytest.fixture
