@@ -30,7 +30,7 @@ def test_opening_for_a_new_call_empties_the_outbox():
     outbox.put_latest("where", ("training", 1))
     outbox.open("call-2")
     mail = outbox.take()
-    assert mail == ("call-2", {}, {}, {}, {}, True)
+    assert mail == ("call-2", {}, {}, {}, {}, True, ())
     outbox.close()
     assert outbox.take().running is False, "the driver learns that the call ended"
 
@@ -84,3 +84,59 @@ def test_a_writer_waiting_for_a_value_wakes_when_a_later_one_replaces_it():
     writer.join(timeout=10)
     assert delivered == [True]  # the value it waited for is no longer the one to deliver
     assert time.monotonic() - started < 2
+
+
+def test_rank_0s_events_and_output_reach_the_driver_in_the_order_they_happened(monkeypatch):
+    """Lines rank 0 prints and its callback events travel in two channels; the driver printed a
+    poll's lines first, then replayed its events (the line that says the fit stopped came
+    before the epoch's last bar, a test's results table before its bar). Now the events before a
+    line go first (all but the running hook's), from the thread whose hooks make them only, and
+    the driver takes the two channels in the order the worker added them."""
+    from ray import cloudpickle
+
+    from ray_lightning_sgd._boundary.channels import EVENTS, OUTPUT
+    from ray_lightning_sgd._driver.inbox import RunInbox, in_order
+    from ray_lightning_sgd._driver.run import Run
+    from ray_lightning_sgd._worker import events, output
+
+    outbox = Outbox()
+    outbox.open("call")
+    for module in (events, output):
+        monkeypatch.setattr(module, "get_outbox", lambda: outbox)
+    monkeypatch.setattr(events, "_state", lambda trainer: {})
+    monkeypatch.setattr(events, "_metrics", lambda trainer: {})
+    forwarder = events.EventForwarderBase()
+    forwarder._last_flush = time.monotonic() + 3600  # nothing due by time: all stay pending
+    events.open_channel(forwarder)
+    try:
+        for hook in ("on_train_batch_end", "on_train_epoch_end", "on_train_end"):
+            forwarder._event(object(), hook)  # type: ignore[arg-type]
+        elsewhere = threading.Thread(
+            target=output.OutputForwarder().add, args=("stderr", ["from another thread"])
+        )
+        elsewhere.start()
+        elsewhere.join()
+        output.OutputForwarder().add("stdout", ["`Trainer.fit` stopped: `max_epochs=1` reached."])
+    finally:
+        events.close_channel()
+    mail = outbox.take()
+    assert mail.order == ((OUTPUT, 1), (EVENTS, 1), (OUTPUT, 1))
+    sent = [hook for blob in mail.items[EVENTS] for hook, *_ in cloudpickle.loads(blob)]
+    assert sent == ["on_train_batch_end", "on_train_epoch_end"]  # on_train_end still runs
+    assert [channel for channel, _ in in_order(mail, (OUTPUT, EVENTS))] == [OUTPUT, EVENTS, OUTPUT]
+    # the driver prints and replays in that order
+    shown: list[str] = []
+    inbox = RunInbox(None, None, Run())
+    inbox.attach([0], "call")  # type: ignore[list-item]  (only its length)
+    monkeypatch.setattr(
+        inbox._printer, "write", lambda rank, lines: shown.extend(line for _, line in lines)
+    )
+    inbox.replay = type(  # type: ignore[assignment]
+        "Replay", (), {"replay": lambda self, blobs, run_calls: shown.append("events")}
+    )()
+    inbox._deliver(0, mail, run_calls=False)
+    assert shown == [
+        "from another thread",
+        "events",
+        "`Trainer.fit` stopped: `max_epochs=1` reached.",
+    ]

@@ -39,7 +39,9 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import ray
 
@@ -92,6 +94,23 @@ HANG_REPORT_FACTOR = 20
 HANG_REPORT_FLOOR_S = 300.0
 #: How long the driver waits for the workers' stacks.
 STACKS_WAIT_S = 10.0
+
+
+def in_order(mail: Mail, channels: tuple[str, ...]) -> Iterator[tuple[str, list[Any]]]:
+    """The items of ``channels`` in a mail, in the order the worker added them: runs of one
+    channel each (a mail without that order: each channel's items, channel by channel)."""
+    taken = dict.fromkeys(channels, 0)
+    for channel, count in mail.order:
+        if channel in taken:
+            start = taken[channel]
+            taken[channel] += count
+            chunk = mail.items.get(channel, [])[start : start + count]
+            if chunk:
+                yield channel, chunk
+    for channel in channels:
+        rest = mail.items.get(channel, [])[taken[channel] :]
+        if rest:
+            yield channel, rest
 
 
 class RunInbox:
@@ -360,9 +379,6 @@ class RunInbox:
             return  # a warm worker's previous call, or this one not yet begun
         if not mail.running:
             self._done.add(rank)  # its result waits: it makes no more progress, by right
-        lines = mail.items.get(OUTPUT)
-        if lines:
-            self._printer.write(rank, lines)
         if RESUME in mail.latest:
             self._run.resume_point_arrived(mail.latest[RESUME])
             # in the driver's memory now: rank 0 trains on once the next poll says so
@@ -385,9 +401,12 @@ class RunInbox:
         if TIMINGS in mail.latest:
             where = _rank_on_node(self._run.metadata, rank)
             self.stragglers.update(rank, where, *mail.latest[TIMINGS])
-        blobs = mail.items.get(EVENTS)
-        if blobs and self.replay is not None:
-            self.replay.replay(blobs, run_calls=run_calls)
+        # output lines and rank 0's events in the order they happened on the worker
+        for channel, chunk in in_order(mail, (OUTPUT, EVENTS)):
+            if channel == OUTPUT:
+                self._printer.write(rank, chunk)
+            elif self.replay is not None:
+                self.replay.replay(chunk, run_calls=run_calls)
 
     def hang_window_s(self) -> float:
         """After how long without progress on any rank the hang report comes."""

@@ -16,6 +16,7 @@ logged: a driver callback's ``on_validation_epoch_end`` sees that validation's m
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,16 @@ def open_channel(forwarder: EventForwarderBase | None = None) -> None:
 def close_channel() -> None:
     global _open, _forwarder
     _open, _forwarder = False, None
+
+
+def before_output() -> None:
+    """Runs on rank 0, as a line of its output goes to the outbox: the events before it go
+    first (all but the running hook's, whose metrics are not committed yet), so that the driver
+    shows them in the order they happened. From the thread whose hooks make the events only
+    (a line another thread prints waits for no event)."""
+    forwarder = _forwarder
+    if forwarder is not None and forwarder.in_its_thread():
+        forwarder.send_now(keep_last=True)
 
 
 def send_to_driver(function: Any, *args: Any) -> None:
@@ -113,13 +124,19 @@ class EventForwarderBase:
     def __init__(self) -> None:
         super().__init__()
         self._trainer: pl.Trainer | None = None
+        #: The thread whose hooks make the events.
+        self._thread: int | None = None
         self._pending: list[Event] = []
         self._last_flush = 0.0
         #: Whether what is pending goes out at the next hook (decided as the last event came).
         self._due = False
 
+    def in_its_thread(self) -> bool:
+        """Whether the calling thread is the one whose hooks make the events."""
+        return self._thread == threading.get_ident()
+
     def _event(self, trainer: pl.Trainer, hook: str, *args: Any, boundary: bool = False) -> None:
-        self._trainer = trainer
+        self._trainer, self._thread = trainer, threading.get_ident()
         if self._due:
             self._flush()
         self._pending.append((hook, args, _state(trainer), None))

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from ray_lightning_sgd._boundary.channels import OUTPUT
+from ray_lightning_sgd._worker.events import before_output
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 
 
@@ -68,6 +69,7 @@ class OutputForwarder:
         self._streams: list[_LineStream] = []
 
     def add(self, stream: str, lines: list[str]) -> None:
+        before_output()  # rank 0's events before these lines go first
         get_outbox().append(OUTPUT, [(stream, line) for line in lines])
 
     def __enter__(self) -> OutputForwarder:

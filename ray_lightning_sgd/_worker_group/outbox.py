@@ -42,6 +42,8 @@ class Mail(NamedTuple):
     sequences: dict[str, int]
     #: Whether the call ``call_id`` still runs (False: it ended, its result waits or went).
     running: bool = True
+    #: The order in which ``items`` were added across channels: (channel, how many) runs.
+    order: tuple[tuple[str, int], ...] = ()
 
 
 class Outbox:
@@ -62,6 +64,8 @@ class Outbox:
         # the ids of the latest calls that ended here: a question about one of them is late
         self._ended: collections.deque[str] = collections.deque(maxlen=16)
         self._items: dict[str, list[Any]] = {}
+        # [channel, how many] runs: the order of the items across channels
+        self._order: list[list[Any]] = []
         # channel -> (value, put at, sequence number, whether a poll took it)
         self._latest: dict[str, tuple[Any, float, int, bool]] = {}
         self._sequence = 0
@@ -74,7 +78,7 @@ class Outbox:
             self._call_id = call_id
             self._opened += 1
             self._running = True
-            self._items = {}
+            self._items, self._order = {}, []
             self._latest = {}
             self._lock.notify_all()
             self._news.notify_all()
@@ -92,6 +96,11 @@ class Outbox:
         with self._lock:
             had_items = any(self._items.values())
             self._items.setdefault(channel, []).extend(items)
+            if items:
+                if self._order and self._order[-1][0] == channel:
+                    self._order[-1][1] += len(items)
+                else:
+                    self._order.append([channel, len(items)])
             if not had_items and items:
                 self._news.notify_all()  # items now wait
 
@@ -162,6 +171,7 @@ class Outbox:
                 self._acknowledged[channel] = max(self._acknowledged.get(channel, 0), sequence)
             now = time.monotonic()
             items, self._items = self._items, {}
+            order, self._order = tuple((c, n) for c, n in self._order), []
             latest, ages, sequences = {}, {}, {}
             for channel, (value, put_at, sequence, taken) in list(self._latest.items()):
                 ages[channel] = now - put_at
@@ -169,7 +179,7 @@ class Outbox:
                     latest[channel], sequences[channel] = value, sequence
                     self._latest[channel] = (None, put_at, sequence, True)
             self._lock.notify_all()  # a waiting writer checks the acknowledgements
-            return Mail(self._call_id, items, latest, ages, sequences, self._running)
+            return Mail(self._call_id, items, latest, ages, sequences, self._running, order)
 
 
 _outbox = Outbox()
