@@ -126,6 +126,8 @@ class EventForwarderBase:
         self._trainer: pl.Trainer | None = None
         #: The thread whose hooks make the events.
         self._thread: int | None = None
+        #: Whether a flush runs now (what it prints, a warning say, must not flush again).
+        self._flushing = False
         self._pending: list[Event] = []
         self._last_flush = 0.0
         #: Whether what is pending goes out at the next hook (decided as the last event came).
@@ -145,6 +147,15 @@ class EventForwarderBase:
         self._due = boundary or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
 
     def _flush(self, keep_last: bool = False) -> None:
+        if self._flushing:
+            return
+        self._flushing = True
+        try:
+            self._flush_now(keep_last)
+        finally:
+            self._flushing = False
+
+    def _flush_now(self, keep_last: bool) -> None:
         keep_from = len(self._pending) - 1 if keep_last else len(self._pending)
         if keep_from <= 0 or self._trainer is None:
             return
