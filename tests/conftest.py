@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pkgutil
 import shutil
@@ -62,7 +63,7 @@ def start_local_ray() -> None:
 _OWN_CLUSTER_FIXTURES = ("two_nodes", "head_and_worker_node", "no_ray")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Runs the suite in the order that starts the fewest workers: tests without Ray first, then
     those that share warm workers, then those that need the cluster free of them, then those that
     replace the shared cluster with one of their own. Within each part, the usual order."""
@@ -76,7 +77,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 1 if "ray_cluster" in fixtures else 0
 
     items.sort(key=part)  # stable: each part keeps the files' order
-    _run_beside(config, items)
 
 
 #: Modules whose every test runs on a multi-node cluster of its own (``ray.cluster_utils``),
@@ -91,12 +91,19 @@ _BESIDE_WAIT_S = 900
 _beside: dict[str, object] = {}
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # after every filter (-k, -m, --lf, --deselect): only the tests selected run beside
+    _run_beside(session.config, session.items)
+
+
 def _run_beside(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Starts the second pytest process for :data:`BESIDE`'s selected tests and takes them out
     of this session; the session's end waits for it and fails if it failed."""
     if os.environ.get(_BESIDE_ENV) or os.environ.get("RAY_LIGHTNING_SGD_TESTS_SERIAL"):
         return
-    if config.option.collectonly:
+    if config.option.collectonly or hasattr(config, "workerinput"):  # xdist's workers
+        return
+    if config.pluginmanager.has_plugin("suite_census"):  # it counts one process's tests
         return
     beside = [item for item in items if item.nodeid.split("::")[0] in BESIDE]
     if not beside or len(beside) == len(items):
@@ -107,11 +114,12 @@ def _run_beside(config: pytest.Config, items: list[pytest.Item]) -> None:
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
         f"--basetemp={folder}/pt", *[item.nodeid for item in beside],
     ]  # fmt: skip
-    environment = {**os.environ, _BESIDE_ENV: "1", "TMPDIR": folder}
+    # its own temporary folder: its Ray sessions, its scratch files
+    environment = {**os.environ, _BESIDE_ENV: "1", "TMPDIR": folder, "RAY_TMPDIR": folder}
     _beside.update(
         process=subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=environment,
-            cwd=str(config.rootpath), start_new_session=True,
+            cwd=str(config.rootpath), start_new_session=True, preexec_fn=_end_with_parent,
         ),
         log=log, folder=folder, count=len(beside),
     )  # fmt: skip
@@ -120,17 +128,39 @@ def _run_beside(config: pytest.Config, items: list[pytest.Item]) -> None:
     config.hook.pytest_deselected(items=beside)
 
 
+def _end_with_parent() -> None:
+    """In the process beside, before it runs: the kernel ends it when this session's process
+    ends, however that ends (its Ray clusters go with it: they share its fate)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _stop_beside() -> None:
+    process = _beside.get("process")
+    if isinstance(process, subprocess.Popen) and process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 9)
+        _beside["status"] = process.wait()
+
+
 def _wait_beside() -> int | None:
     """Waits for the tests run beside this session; their exit status (None: none ran)."""
     process = _beside.get("process")
     if not isinstance(process, subprocess.Popen):
         return None
     if "status" not in _beside:
+        if process.poll() is None:
+            sys.stderr.write("\n(waiting for the tests run beside this session)\n")
         try:
             _beside["status"] = process.wait(timeout=_BESIDE_WAIT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            _beside["status"] = process.wait()
+            _stop_beside()  # its time is up: a failure (a signal's status)
+        except BaseException:  # Ctrl-C while waiting: it must not run on alone
+            _stop_beside()
+            raise
     return int(_beside["status"])  # type: ignore[call-overload]
 
 
@@ -142,10 +172,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    process = _beside.get("process")
-    if exitstatus == pytest.ExitCode.INTERRUPTED and isinstance(process, subprocess.Popen):
-        if process.poll() is None:
-            os.killpg(process.pid, 9)
+    if exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldstop or session.shouldfail:
+        _stop_beside()  # interrupted, or -x / --maxfail stopped the session
     status = _wait_beside()
     if status not in (None, 0) and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -162,10 +190,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         f"the {_beside['count']} tests of {', '.join(BESIDE)}, run beside this session "
         f"(exit status {status})"
     )
-    if status:
+    lines = output.strip().splitlines()
+    if status or not lines:
         terminalreporter.write(output + f"(kept: {_beside['folder']})\n")
     else:
-        terminalreporter.write(output.strip().splitlines()[-1] + "\n")
+        terminalreporter.write(lines[-1] + "\n")
         shutil.rmtree(str(_beside["folder"]), ignore_errors=True)
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from ray_lightning_sgd._worker_group.outbox import Outbox
 
@@ -88,10 +91,12 @@ def test_a_writer_waiting_for_a_value_wakes_when_a_later_one_replaces_it():
 
 def test_rank_0s_events_and_output_reach_the_driver_in_the_order_they_happened(monkeypatch):
     """Lines rank 0 prints and its callback events travel in two channels; the driver printed a
-    poll's lines first, then replayed its events (the line that says the fit stopped came
-    before the epoch's last bar, a test's results table before its bar). Now the events before a
-    line go first (all but the running hook's), from the thread whose hooks make them only, and
-    the driver takes the two channels in the order the worker added them."""
+    poll's lines first, then replayed its events. Now the events before a line go first once
+    one at a boundary waits (or the flush interval passed): all of them between two hooks, as
+    Lightning prints "`Trainer.fit` stopped" after the last epoch's end, all but the running
+    hook's inside one; from the thread whose hooks make them only. The driver takes the two
+    channels in the order the worker added them, and a sent function that raises still lets
+    the rank's later lines show."""
     from ray import cloudpickle
 
     from ray_lightning_sgd._boundary.channels import EVENTS, OUTPUT
@@ -112,23 +117,34 @@ def test_rank_0s_events_and_output_reach_the_driver_in_the_order_they_happened(m
     )
     forwarder = events.EventForwarderBase()
     forwarder._last_flush = time.monotonic() + 3600  # nothing due by time: all stay pending
+    module = SimpleNamespace(_current_fx_name="training_step")
+    trainer = SimpleNamespace(lightning_module=module)
     events.open_channel(forwarder)
     try:
-        for hook in ("on_train_batch_end", "on_train_epoch_end", "on_train_end"):
-            forwarder._event(object(), hook)  # type: ignore[arg-type]
+        forwarder._event(trainer, "on_train_batch_start")  # type: ignore[arg-type]
+        output.OutputForwarder().add("stdout", ["a print in a step"])  # no boundary waits
+        forwarder._event(trainer, "on_train_batch_end")  # type: ignore[arg-type]
+        forwarder._event(trainer, "on_train_epoch_end", boundary=True)  # type: ignore[arg-type]
         elsewhere = threading.Thread(
             target=output.OutputForwarder().add, args=("stderr", ["from another thread"])
         )
         elsewhere.start()
         elsewhere.join()
+        module._current_fx_name = None  # between hooks: Lightning's fit loop says it stopped
         output.OutputForwarder().add("stdout", ["`Trainer.fit` stopped: `max_epochs=1` reached."])
+        forwarder._event(trainer, "on_train_end")  # type: ignore[arg-type]
+        module._current_fx_name = "on_train_end"  # inside a hook: its own event stays
+        forwarder._due = True
+        output.OutputForwarder().add("stdout", ["a print in on_train_end"])
     finally:
         events.close_channel()
     mail = outbox.take()
-    assert mail.order == ((OUTPUT, 2), (EVENTS, 1), (OUTPUT, 1))
+    assert mail.order == ((OUTPUT, 3), (EVENTS, 1), (OUTPUT, 2))
     sent = [hook for blob in mail.items[EVENTS] for hook, *_ in cloudpickle.loads(blob)]
-    assert sent == ["on_train_batch_end", "on_train_epoch_end"]  # on_train_end still runs
+    assert sent == ["on_train_batch_start", "on_train_batch_end", "on_train_epoch_end"]
+    assert forwarder._due, "the event held back still goes at the next hook"
     assert [channel for channel, _ in in_order(mail, (OUTPUT, EVENTS))] == [OUTPUT, EVENTS, OUTPUT]
+    assert [len(chunk) for _, chunk in in_order(mail, (OUTPUT, EVENTS))] == [3, 1, 2]
     # the driver prints and replays in that order
     shown: list[str] = []
     inbox = RunInbox(None, None, Run())
@@ -141,8 +157,17 @@ def test_rank_0s_events_and_output_reach_the_driver_in_the_order_they_happened(m
     )()
     inbox._deliver(0, mail, run_calls=False)
     assert shown == [
-        "from another thread",
-        "warned while flushing",
-        "events",
-        "`Trainer.fit` stopped: `max_epochs=1` reached.",
-    ]
+        "a print in a step", "from another thread", "warned while flushing", "events",
+        "`Trainer.fit` stopped: `max_epochs=1` reached.", "a print in on_train_end",
+    ]  # fmt: skip
+
+    def raises(blobs, run_calls):
+        raise RuntimeError("a function sent to the driver failed")
+
+    shown.clear()
+    inbox.replay.replay = raises  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="sent to the driver failed"):
+        inbox._deliver(0, mail, run_calls=True)
+    assert shown[-2:] == [
+        "`Trainer.fit` stopped: `max_epochs=1` reached.", "a print in on_train_end",
+    ]  # fmt: skip

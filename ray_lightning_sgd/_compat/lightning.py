@@ -200,6 +200,14 @@ def committed_metrics(trainer: Any) -> tuple[dict[str, Any], dict[str, Any], dic
     )
 
 
+def in_a_hook(trainer: Any) -> bool:
+    """Whether one of Lightning's hooks runs now (a callback's or the module's): Lightning names
+    it on the module while it runs (``_current_fx_name``) and clears it after. True where that
+    cannot be read."""
+    module = getattr(trainer, "lightning_module", None)
+    return getattr(module, "_current_fx_name", "unknown") is not None
+
+
 def should_check_val_epoch(trainer: Any) -> bool:
     """Runs on a worker. Whether this training epoch ends with a validation (the TQDM bar's total
     asks it through the same private method); reads loop counters only, no collective."""

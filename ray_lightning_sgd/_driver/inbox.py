@@ -402,11 +402,18 @@ class RunInbox:
             where = _rank_on_node(self._run.metadata, rank)
             self.stragglers.update(rank, where, *mail.latest[TIMINGS])
         # output lines and rank 0's events in the order they happened on the worker
-        for channel, chunk in in_order(mail, (OUTPUT, EVENTS)):
+        chunks = list(in_order(mail, (OUTPUT, EVENTS)))
+        for index, (channel, chunk) in enumerate(chunks):
             if channel == OUTPUT:
                 self._printer.write(rank, chunk)
             elif self.replay is not None:
-                self.replay.replay(chunk, run_calls=run_calls)
+                try:
+                    self.replay.replay(chunk, run_calls=run_calls)
+                except BaseException:  # a sent function raised: the rank's lines still show
+                    for later, lines in chunks[index + 1 :]:
+                        if later == OUTPUT:
+                            self._printer.write(rank, lines)
+                    raise
 
     def hang_window_s(self) -> float:
         """After how long without progress on any rank the hang report comes."""

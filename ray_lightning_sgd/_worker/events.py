@@ -63,7 +63,7 @@ def before_output() -> None:
     (a line another thread prints waits for no event)."""
     forwarder = _forwarder
     if forwarder is not None and forwarder.in_its_thread():
-        forwarder.send_now(keep_last=True)
+        forwarder.before_line()
 
 
 def send_to_driver(function: Any, *args: Any) -> None:
@@ -133,6 +133,15 @@ class EventForwarderBase:
         #: Whether what is pending goes out at the next hook (decided as the last event came).
         self._due = False
 
+    def before_line(self) -> None:
+        """A line of output is about to go to the outbox: the events before it go first, when
+        an event at a boundary waits or the flush interval passed (where a line falls among one
+        interval's batch events is not worth a flush a line); all of them between two hooks
+        ("`Trainer.fit` stopped" after the last epoch's end), all but the running hook's
+        inside one (its metrics are not committed yet)."""
+        if self._due or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
+            self.send_now(keep_last=self._trainer is None or _compat.in_a_hook(self._trainer))
+
     def in_its_thread(self) -> bool:
         """Whether the calling thread is the one whose hooks make the events."""
         return self._thread == threading.get_ident()
@@ -163,7 +172,8 @@ class EventForwarderBase:
         self._pending[keep_from - 1] = (hook, args, state, _metrics(self._trainer))
         events, self._pending = self._pending[:keep_from], self._pending[keep_from:]
         self._last_flush = time.monotonic()
-        self._due = False
+        if not keep_last:  # the event held back goes out at the next hook, if it was due
+            self._due = False
         # pickled now: the metrics as they are at this hook, whenever the driver takes them
         get_outbox().append(EVENTS, [cloudpickle.dumps(events)])
 
