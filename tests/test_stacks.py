@@ -201,9 +201,6 @@ def test_sigusr1_handled_outside_python_is_left_alone(monkeypatch):
 def test_a_handler_installed_in_c_still_runs_after_a_launch():
     """faulthandler.register's handler (C) reads as SIG_DFL from Python; replaced by ours and
     then by SIG_DFL, the user's next SIGUSR1 (or SIGTERM) would have ended the process."""
-    import subprocess
-    import sys
-
     script = (
         "import faulthandler, os, signal, time\n"
         "from ray_lightning_sgd._driver import signals\n"
@@ -217,20 +214,27 @@ def test_a_handler_installed_in_c_still_runs_after_a_launch():
         "time.sleep(0.2)\n"
         "print('alive')\n"
     )
+    done = _run_script(script)
+    assert done.stdout.strip() == "alive" and done.stderr.count("most recent call first") == 2
+
+
+def _run_script(script: str):
+    """Runs ``script`` in a Python process of its own (its signals are its own); asserts that
+    it ended well and returns what it printed."""
+    import subprocess
+    import sys
+
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "alive" and done.stderr.count("most recent call first") == 2
+    return done
 
 
 def test_a_second_sigterm_does_not_cut_the_clean_up_the_first_started():
     """The first SIGTERM raises (the launch stops its workers on the way out); a second one
     during that clean-up is noted, not the default action that ends the process halfway; the
     handler before the launch is back after it."""
-    import subprocess
-    import sys
-
     script = (
         "import os, signal, time\n"
         "from ray_lightning_sgd._driver import signals\n"
@@ -247,11 +251,7 @@ def test_a_second_sigterm_does_not_cut_the_clean_up_the_first_started():
         "    print('exit', ended.code, flush=True)\n"
         "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["cleaned", "up", "exit", "143", "True"]
+    assert _run_script(script).stdout.split() == ["cleaned", "up", "exit", "143", "True"]
 
 
 def _scheduled_inbox(monkeypatch, workers: int) -> tuple[RunInbox, list[int], list[float]]:
