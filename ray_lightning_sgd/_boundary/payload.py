@@ -52,8 +52,8 @@ class Payload(NamedTuple):
     resume_storage: str | None = None
     #: How many resume checkpoints rank 0 keeps in ``resume_storage`` (older ones are deleted).
     resume_keep_last: int = 2
-    #: Whether the fit's last epoch writes one too, whatever ``resume_every_n_epochs`` says (a
-    #: named run: its next driver resumes where this one ended, with nothing to train again).
+    #: Whether a fit that ends after an epoch without one writes one as it ends (a named run:
+    #: its next driver resumes where this one ended, with nothing to train again).
     resume_at_fit_end: bool = False
     #: Where the driver expects rank 0's logs and checkpoints.
     artifacts: Artifacts | None = None

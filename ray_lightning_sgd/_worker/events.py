@@ -140,7 +140,7 @@ class EventForwarderBase:
         ("`Trainer.fit` stopped" after the last epoch's end), all but the running hook's
         inside one (its metrics are not committed yet)."""
         if self._due or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
-            self.send_now(keep_last=self._trainer is None or _compat.in_a_hook(self._trainer))
+            self.send_now(keep_last=_compat.in_a_hook(self._trainer))
 
     def in_its_thread(self) -> bool:
         """Whether the calling thread is the one whose hooks make the events."""

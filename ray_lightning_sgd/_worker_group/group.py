@@ -170,7 +170,8 @@ class WorkerGroup:
             reported = self._get(
                 [actor.metadata.remote() for actor, _ in self._started],
                 timeout_s=remaining(deadline),
-                what=f"start within {budget}",
+                what="start",
+                within=budget,
                 metadata=[],
             )
             order = rank_order(reported)
@@ -205,14 +206,16 @@ class WorkerGroup:
                     )
                 ],
                 timeout_s=remaining(deadline),
-                what=f"start within {budget}",
+                what="start",
+                within=budget,
                 metadata=metadata,
             )
             if config.init_hook is not None:
                 self._get(
                     self.execute_async(config.init_hook),
                     timeout_s=remaining(deadline),
-                    what=f"run init_hook within {budget}",
+                    what="run init_hook",
+                    within=budget,
                     metadata=metadata,
                 )
         except BaseException:
@@ -430,7 +433,9 @@ class WorkerGroup:
         watch: Callable[[], None] | None = None,
         watch_interval_s: float = _WATCH_INTERVAL_S,
         give_up: bool = True,
+        within: str | None = None,
     ) -> list[Any]:
+        """``within``: how the timeout error names the time it gave (else its seconds)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
@@ -447,9 +452,10 @@ class WorkerGroup:
                     continue
                 if not give_up:
                     return None  # type: ignore[return-value]  # (wait's answer: still running)
-                if " within " not in what:
-                    what += f" within {timeout_s:.1f}s"
-                raise WorkerTimeoutError(f"the workers of {self._name} did not {what}")
+                raise WorkerTimeoutError(
+                    f"the workers of {self._name} did not {what} within "
+                    f"{within or f'{timeout_s:.1f}s'}"
+                )
             for ref in ready:
                 try:
                     ray.get(ref)
