@@ -246,9 +246,14 @@ def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again
     data = LRayDataModule(train=ray.data.read_parquet(parquet), batch_size=32)
     _, objects_before = _data_state()
     model = LRecorder(str(tmp_path), die_at=(1, 1, 3))
-    strategy = LRaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5, max_failures=1)
+    # elastic up to 3: three workers of half a CPU would leave Ray Data's tasks half of one, and
+    # every read would wait for good (here: until progress_timeout_s); each attempt takes 2
+    strategy = LRaySGDStrategy(
+        num_workers=(2, 3), num_cpus_per_worker=0.5, max_failures=1, progress_timeout_s=30
+    )
     trainer = L.Trainer(strategy=strategy, max_epochs=3, **_trainer_kwargs())
     trainer.fit(model, datamodule=data)
+    assert strategy.world_sizes == {0: 2, 1: 2, 2: 2}
 
     assert Path(tmp_path, "died").exists()
     assert trainer.current_epoch == 3

@@ -161,17 +161,71 @@ def test_the_placement_group_probe_finds_no_room_where_the_larger_group_cannot_b
     free_cluster,
 ):
     # STRICT_SPREAD needs a node per worker: a one-node cluster never has room for 2; SPREAD
-    # on the two-CPU cluster has room for the second worker
-    for strategy, room in (("STRICT_SPREAD", False), ("SPREAD", True)):
-        config = WorkerGroupConfig(num_workers=2, sizes=(2, 1), placement_strategy=strategy)
-        probe = PlacementGroupProbe(config)
+    # on the two-CPU cluster has room for the second worker, unless the group keeps a CPU free
+    # (a call streaming Ray Data), which two workers of one CPU would not: then no reservation
+    keep = {"CPU": 1.0}
+    cases = (("STRICT_SPREAD", {}, False), ("SPREAD", {}, True), ("SPREAD", keep, None))
+    for strategy, keep_free, room in cases:
+        config = WorkerGroupConfig(
+            num_workers=2, sizes=(2, 1), placement_strategy=strategy, keep_free=keep_free
+        )
+        probe = PlacementGroupProbe(lambda config=config: config)
         reservation = probe.start(1)
+        if room is None:
+            assert reservation is None
+            continue
         deadline = time.monotonic() + 5
         while not probe.placed(reservation) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert probe.placed(reservation) is room, strategy
         probe.remove(reservation)
     assert leftovers() == ([], [])
+
+
+def test_an_elastic_group_takes_only_sizes_that_leave_what_it_keeps_free():
+    config = WorkerGroupConfig(
+        num_workers=4, sizes=(4, 3, 2), resources_per_worker={"CPU": 0.5}, keep_free={"CPU": 1}
+    )
+    totals = {"CPU": 2.0}
+    assert [n for n in config.sizes if config.leaves_free(n, totals)] == [2]
+    assert [n for n in config.sizes if config.leaves_free(n, {"CPU": 2.5})] == [3, 2]
+    # the smallest size is the group's only choice, whatever it leaves (check_room's to refuse)
+    assert config.leaves_free(2, {"CPU": 0.0})
+    keeps_nothing = WorkerGroupConfig(num_workers=4, sizes=(4, 3, 2))
+    assert all(keeps_nothing.leaves_free(n, {"CPU": 2.0}) for n in keeps_nothing.sizes)
+
+
+def test_a_probe_that_finds_no_size_leaving_room_reserves_nothing_and_is_asked_again_later():
+    clock, probe = Clock(), NoRoomProbe()
+    policy = GrowthPolicy(
+        2, interval_s=30, max_epochs=None, latest=lambda: None, probe=probe, clock=clock
+    )
+    policy.attempt_started(1)
+    clock.now += 30
+    assert policy.decide() is None and probe.asked == 1
+    assert policy.decide() is None and probe.asked == 1, "the next look waits an interval"
+    clock.now += 30
+    assert policy.decide() is None and probe.asked == 2
+    policy.close()  # nothing reserved, nothing to remove
+
+
+class NoRoomProbe:
+    """A probe whose next size would take what the call keeps free: it reserves nothing."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def can_grow(self) -> bool:
+        return True
+
+    def start(self, size: int) -> None:
+        self.asked += 1
+
+    def placed(self, reservation: object) -> bool:
+        raise AssertionError("no reservation to read")
+
+    def remove(self, reservation: object) -> None:
+        raise AssertionError("no reservation to remove")
 
 
 def test_what_keep_global_batch_size_cannot_scale_is_refused_before_ray_starts():

@@ -41,10 +41,16 @@ def bare_dataset(values: Sequence[Any]) -> Any:
     return next((v for v in values if types and isinstance(v, types)), None)
 
 
+#: What an elastic group leaves free while a call streams datasets, at every size but its
+#: smallest: the CPU that a read or map task of Ray Data asks by default.
+KEEP_FREE = {"CPU": 1.0}
+
+
 def check_room(config: WorkerGroupConfig) -> None:
     """Before an attempt's workers start: raises when they would take every CPU of the cluster,
     which leaves Ray Data's read and map tasks none to run on (the call would wait forever);
-    warns when less than one CPU is left. An elastic run counts its fewest workers."""
+    warns when less than one CPU is left. An elastic run counts its fewest workers: its larger
+    sizes are taken only where they leave :data:`KEEP_FREE` (``WorkerGroupConfig.keep_free``)."""
     total = float(ray.cluster_resources().get("CPU", 0.0))
     fewest = config.sizes[-1] if config.sizes else config.num_workers  # an elastic run's min
     taken = fewest * float(config.resources_per_worker.get("CPU", 0.0))

@@ -52,6 +52,7 @@ from ray_lightning_sgd._executor.controller import Attempts, Resize, RunControll
 from ray_lightning_sgd._executor.executor import BackendExecutor
 from ray_lightning_sgd._serialization import Packed, unpack
 from ray_lightning_sgd._worker_group import cluster, code
+from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd.exceptions import ConfigurationError, WorkerDiedError, WorkerGroupError
 
 if TYPE_CHECKING:
@@ -184,7 +185,8 @@ class RayLauncherBase(_Base):
         if call.fitting and group.elastic and call.trainer is not None:
             growth = GrowthPolicy(
                 group.num_workers, config.resize_interval_s, call.trainer.max_epochs,
-                latest=lambda: run.resume, probe=PlacementGroupProbe(group),
+                latest=lambda: run.resume,
+                probe=PlacementGroupProbe(lambda: self._group_config(bool(run.datasets))),
             )  # fmt: skip
         numbers = itertools.count()
         # a fit's own folder of the storage goes after its success; a named run's stays
@@ -259,7 +261,7 @@ class RayLauncherBase(_Base):
         self._attempt = attempt = _Attempt(None, shipped, payload.call_id)
         try:
             # held by the attempt as it returns: a Ctrl-C right after still stops its workers
-            attempt.executor = executor = self._start_executor()
+            attempt.executor = executor = self._start_executor(bool(to_split))
             run.attempt_started(executor.worker_group.metadata)
             if growth is not None:
                 growth.attempt_started(run.size)
@@ -341,9 +343,18 @@ class RayLauncherBase(_Base):
                     # failure, a moment for the killed ones' locks to go with their processes
                     _scratch.sweep(wait_s=0.0 if succeeded else _SWEEP_WAIT_S)
 
-    def _start_executor(self) -> BackendExecutor:
+    def _group_config(self, streams: bool) -> WorkerGroupConfig:
+        """The strategy's group settings for a call; one that ``streams`` Ray Data datasets on
+        an elastic group keeps a CPU free for Ray Data's tasks at every size but its smallest
+        (:func:`datasets.check_room` checks that one before the workers start)."""
+        config = self._strategy.worker_group_config
+        if streams and config.elastic:
+            config = dataclasses.replace(config, keep_free=datasets.KEEP_FREE)
+        return config
+
+    def _start_executor(self, streams: bool) -> BackendExecutor:
         strategy = self._strategy
-        config = strategy.worker_group_config
+        config = self._group_config(streams)
         if config.ship_driver_code:
             config = dataclasses.replace(config, driver_code=_driver_code())
         # returned at once: the attempt holds it before a Ctrl-C can land (the pool logs reuse)

@@ -47,7 +47,8 @@ class RoomProbe(Protocol):
         """Whether the group may grow at all (not inside a fixed reservation)."""
 
     def start(self, size: int) -> Any:
-        """Reserves what the group would add to its ``size`` workers; returns the reservation."""
+        """Reserves what the group would add to its ``size`` workers; returns the reservation
+        (None: no room, without asking the cluster to place anything)."""
 
     def placed(self, reservation: Any) -> bool:
         """Whether the cluster has placed the reservation (there is room)."""
@@ -57,9 +58,12 @@ class RoomProbe(Protocol):
 
 
 class PlacementGroupProbe:
-    """A :class:`RoomProbe` that reserves a placement group of the workers a group would add."""
+    """A :class:`RoomProbe` that reserves a placement group of the workers a group would add.
 
-    def __init__(self, config: WorkerGroupConfig) -> None:
+    ``config``: the running attempt's group settings (what it keeps free depends on the call).
+    """
+
+    def __init__(self, config: Callable[[], WorkerGroupConfig]) -> None:
         self._config = config
         self._fixed: bool | None = None
 
@@ -71,7 +75,7 @@ class PlacementGroupProbe:
         return not self._fixed
 
     def start(self, size: int) -> Any:
-        return start_growth_probe(self._config, size)
+        return start_growth_probe(self._config(), size)
 
     def placed(self, reservation: Any) -> bool:
         # its state, not a task in it (placed at once, where a task would wait for a worker
@@ -174,6 +178,8 @@ class GrowthPolicy:
                 self._reservation = self._probe.start(self._size)
             except Exception:  # the cluster did not answer: no room this time
                 log.debug("Could not start a growth probe", exc_info=True)
+                return False
+            if self._reservation is None:  # a larger size would take what the call keeps free
                 return False
             self._reserved_at = now
         try:

@@ -71,6 +71,9 @@ class WorkerGroupConfig:
         ship_driver_code: Whether the driver's own code (see :mod:`.code`) goes to the workers.
         driver_code: That code, as the driver had it when the group was asked for (the launcher
             fills it in at each call; None: nothing of the driver's).
+        keep_free: Resources an elastic group leaves free in the cluster at every size but its
+            smallest: the CPU that Ray Data's tasks need while a call streams datasets (the
+            launcher sets it; the smallest size is checked before the group starts).
     """
 
     num_workers: int = 1
@@ -83,6 +86,7 @@ class WorkerGroupConfig:
     ship_driver_code: bool = True
     #: not compared: equal settings are equal configs (the pool compares the code on its own)
     driver_code: DriverCode | None = field(default=None, compare=False)
+    keep_free: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int):
@@ -179,6 +183,16 @@ class WorkerGroupConfig:
     def min_workers(self) -> int:
         """The fewest workers the group may have."""
         return self.sizes[-1] if self.sizes else self.num_workers
+
+    def leaves_free(self, size: int, totals: Mapping[str, float]) -> bool:
+        """Whether ``size`` workers leave :attr:`keep_free` of the cluster's ``totals`` (its
+        resources in all): always at the smallest size, which the group must take if any."""
+        if size <= self.min_workers:
+            return True
+        return all(
+            totals.get(name, 0.0) - size * self.resources_per_worker.get(name, 0.0) >= amount - 1e-9
+            for name, amount in self.keep_free.items()
+        )
 
     @property
     def use_gpu(self) -> bool:

@@ -334,6 +334,8 @@ class WorkerGroup:
         if len(self) >= config.num_workers or get_current_placement_group() is not None:
             return False
         probe = start_growth_probe(config, len(self))
+        if probe is None:
+            return False
         try:
             ready, _ = ray.wait([probe.ready()], timeout=wait_s)
         finally:
@@ -363,11 +365,20 @@ class WorkerGroup:
             # group that the trial's own reservation may leave no room for
             return enclosing, bundles_for_workers(enclosing.bundle_specs, bundle, sizes)
         nodes = cluster.node_resources()
-        possible = [
+        totals = {name: sum(node.get(name, 0.0) for node in nodes) for name in config.keep_free}
+        placeable = [
             size
             for size in sizes
             if cluster.placement_problem(bundle, size, config.placement_strategy, nodes) is None
-        ] or [config.min_workers]
+        ]
+        possible = [size for size in placeable if config.leaves_free(size, totals)]
+        if possible and possible[0] < placeable[0]:
+            log.info(
+                "Elastic worker group %s: at most %d workers, which leave %s of the cluster's "
+                "%s free for Ray Data's tasks",
+                self._name, possible[0], dict(config.keep_free), totals,
+            )  # fmt: skip
+        possible = possible or [config.min_workers]
         # larger sizes are tried within half the time at most: the smallest keeps the rest
         tries_end = time.monotonic() + remaining(deadline) / 2
         for size in possible:

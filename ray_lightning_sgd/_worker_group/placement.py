@@ -6,21 +6,25 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 
+import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 
 from ray_lightning_sgd._worker_group.config import NAME_PREFIX, WorkerGroupConfig
 from ray_lightning_sgd.exceptions import ResourcesUnavailableError
 
 
-def start_growth_probe(config: WorkerGroupConfig, size: int) -> PlacementGroup:
+def start_growth_probe(config: WorkerGroupConfig, size: int) -> PlacementGroup | None:
     """Driver side: reserves, without waiting, what an elastic group of ``size`` workers needs
     besides its own reservation to take its next larger size; placed, there is room to grow.
+    None: the larger size would not leave the cluster what the group keeps free (no room).
 
     The caller removes the returned placement group.
     """
     bundle = dict(config.resources_per_worker)
     # the next size the group may take (keep_global_batch_size skips some)
     larger = min(n for n in config.sizes if n > size)
+    if config.keep_free and not config.leaves_free(larger, ray.cluster_resources()):
+        return None
     if config.placement_strategy in ("STRICT_PACK", "STRICT_SPREAD"):
         # the larger group must fit as a whole, beside this one (which holds its resources):
         # never room where there is none, at the cost of missing some
