@@ -14,6 +14,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -240,6 +241,40 @@ def test_each_rank_streams_an_equal_share_of_every_pass_and_predict_reads_every_
     assert leftovers()[0], "the warm workers stay for the next call, as with a DataLoader"
 
 
+def test_a_train_loader_made_anew_each_epoch_shuffles_each_epoch_with_its_own_seed(ray_cluster):
+    """reload_dataloaders_every_n_epochs=1: the DataModule returns a new RayDataLoader at each
+    epoch, whose pass (the shuffle's seed s + n) is its epoch's, not 0 every epoch."""
+    data = ray.data.from_items([{"id": i} for i in range(64)])
+
+    class Reloaded(pl.LightningDataModule):
+        def train_dataloader(self):
+            return RayDataLoader(
+                data, batch_size=16, local_shuffle_buffer_size=32, local_shuffle_seed=5
+            )
+
+    class Passes(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(1, 1)
+            self.passes: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 0:  # the pass this epoch's loader began (its seed is 5 + pass)
+                self.passes.append(self.trainer.train_dataloader._passes - 1)
+            return self.layer(batch["id"].float().unsqueeze(1)).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    model = Passes()
+    strategy = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)
+    trainer = pl.Trainer(
+        strategy=strategy, max_epochs=3, reload_dataloaders_every_n_epochs=1, **_trainer_kwargs()
+    )
+    trainer.fit(model, datamodule=Reloaded())
+    assert model.passes == [0, 1, 2]  # a public attribute: rank 0's comes back
+
+
 def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again(
     free_cluster, parquet, tmp_path
 ):
@@ -422,23 +457,27 @@ class _SeedsSeen:
         return iter(())
 
 
-def test_a_resumed_fit_shuffles_each_epoch_as_the_uninterrupted_fit(monkeypatch):
-    """A restart (or a resize) from epoch 3 reads epoch 3 with the seed s + 3, as the fit that
-    never stopped did; a new loader's pass count alone would start over at s + 0."""
-    from types import SimpleNamespace
-
-    from ray_lightning_sgd._worker import resume
-
+def test_a_resumed_fit_shuffles_each_epoch_as_the_uninterrupted_fit():
+    """A restart (or a resize) from the end of epoch 2 reads epoch 3 with the seed s + 3, as
+    the fit that never stopped did; a new loader's pass count alone would start over at s + 0.
+    The worker's strategy sets it as Lightning sets the train loader up, from the epoch it
+    gives samplers (``current_epoch`` is still 2 there in a fit resumed from an epoch's end)."""
     seen = _SeedsSeen()
     shard = DatasetShard(iterator=seen, rank=0, world_size=2, rows=None)
     loader = RayDataLoader(shard, batch_size=8, local_shuffle_buffer_size=16, local_shuffle_seed=10)
-    monkeypatch.setattr(resume, "_train_loaders", lambda trainer: [loader, None])
-    monkeypatch.setattr(resume, "warn_schedulers_that_end_too_soon", lambda trainer: None)
-    callback = resume.ResumeCheckpointBase(1, None, resumed=True)
-    callback.on_train_start(SimpleNamespace(current_epoch=3), None)  # type: ignore[arg-type]
+    trainer = pl.Trainer(max_epochs=5, **_trainer_kwargs())
+    trainer.fit_loop.epoch_progress.current.processed = 3  # restored: epoch 2 ended
+    trainer.training = True
+    strategy = RaySGDStrategy(num_workers=2)
+    strategy._lightning_module = SimpleNamespace(trainer=trainer)
+    assert strategy.process_dataloader(loader) is loader
     for _ in range(2):  # epochs 3 and 4
         list(loader)
     assert seen.seeds == [13, 14]
+    trainer.validating = True  # a validation loader counts its own passes
+    other = RayDataLoader(shard, batch_size=8, local_shuffle_buffer_size=16, local_shuffle_seed=10)
+    list(strategy.process_dataloader(other))
+    assert seen.seeds[-1] == 10
 
 
 def test_a_seeded_local_shuffle_deals_the_same_order_for_the_same_seed_and_pass(ray_cluster):

@@ -55,7 +55,9 @@ class RayDataLoader:
     ``predict`` splits without dropping rows: ranks may then read different numbers.
 
     Each iteration (an epoch, a validation run) is a new pass over the dataset. A seeded local
-    shuffle uses ``local_shuffle_seed + n`` for the n-th pass of the call.
+    shuffle uses ``local_shuffle_seed + n`` for the n-th pass of the call; a train loader's
+    pass is its epoch's, also in a resumed fit and for a loader made anew for an epoch
+    (``reload_dataloaders_every_n_epochs``).
 
     Args:
         dataset: A ``ray.data.Dataset``.
@@ -137,9 +139,11 @@ class RayDataLoader:
                 )
         yield from source.iter_torch_batches(**options)
 
-    def resume_at_pass(self, passes: int) -> None:
-        """Worker side: a fit that resumes at epoch ``passes`` (a restart, a resize) goes on
-        with that epoch's pass, and its shuffle's seed, as the uninterrupted fit would."""
+    def begin_at_pass(self, passes: int) -> None:
+        """Worker side: a train loader made for epoch ``passes`` (a fit that resumes there
+        after a restart or a resize, a loader reloaded there by
+        ``reload_dataloaders_every_n_epochs``) reads that epoch's pass, with its shuffle's seed,
+        as the one loader of an uninterrupted fit would."""
         self._passes = passes
 
     def __len__(self) -> int:

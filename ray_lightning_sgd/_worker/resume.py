@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ray_lightning_sgd import _files, _scratch
 from ray_lightning_sgd._boundary.channels import RESUME
-from ray_lightning_sgd._boundary.data_loader import RayDataLoader
 from ray_lightning_sgd._boundary.resume_points import (
     ResumePoint,
     checkpoint_name,
@@ -180,9 +179,6 @@ class ResumeCheckpointBase:
         self._skip, self._skip_counted = None, False  # every train loader has taken its skip
         if self._resumed:
             warn_schedulers_that_end_too_soon(trainer)
-            for loader in _train_loaders(trainer):  # a Ray Data loader's pass is the epoch's
-                if isinstance(loader, RayDataLoader):
-                    loader.resume_at_pass(trainer.current_epoch)
         # a stateful DataLoader's saved position would be one batch ahead of an in-epoch point
         if self._on_preemption and not self._watching and _steps_resume_inside(trainer):
             self._watching = True

@@ -16,6 +16,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from ray_lightning_sgd import _compat
+from ray_lightning_sgd._boundary.data_loader import RayDataLoader
 from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
 
 if TYPE_CHECKING:
@@ -34,12 +35,17 @@ class OnWorkersBase(_Base):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Runs on each worker. Lightning's, then a fit restarted from an in-epoch resume
-        checkpoint (a preemption's) skips, in its train DataLoader's first epoch, the batches
-        that epoch had trained."""
+        """Runs on each worker. Lightning's; then a train RayDataLoader begins at the pass of
+        the epoch it is made for (a fit's first, a resumed fit's, each reload's), and a fit
+        restarted from an in-epoch resume checkpoint (a preemption's) skips, in its train
+        DataLoader's first epoch, the batches that epoch had trained."""
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.training:
+            if isinstance(dataloader, RayDataLoader):
+                # the epoch Lightning gives samplers' set_epoch (current_epoch is one behind
+                # here in a fit resumed from an epoch's end)
+                dataloader.begin_at_pass(trainer.fit_loop.epoch_progress.current.processed)
             for callback in _compat.hidden_callbacks_of(trainer):
                 if isinstance(callback, ResumeCheckpointBase):
                     callback.resume_inside_epoch(dataloader, trainer)
