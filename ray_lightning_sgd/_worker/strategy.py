@@ -45,7 +45,8 @@ class OnWorkersBase(_Base):
             if isinstance(dataloader, RayDataLoader):
                 # the epoch Lightning gives samplers' set_epoch (current_epoch is one behind
                 # here in a fit resumed from an epoch's end)
-                dataloader.begin_at_pass(trainer.fit_loop.epoch_progress.current.processed)
+                progress = trainer.fit_loop.epoch_progress.current  # a _ProcessedTracker
+                dataloader.begin_at_pass(progress.processed)  # type: ignore[attr-defined]
             for callback in _compat.hidden_callbacks_of(trainer):
                 if isinstance(callback, ResumeCheckpointBase):
                     callback.resume_inside_epoch(dataloader, trainer)
