@@ -206,16 +206,22 @@ def test_lightning_gives_the_profiler_a_weak_proxy_of_the_model(namespace):
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
-def test_lightning_loops_have_a_settable_restarting_flag(namespace):
-    trainer = importlib.import_module(namespace).Trainer(logger=False, enable_progress_bar=False)
-    loop = trainer.fit_loop
-    assert isinstance(inspect.getattr_static(type(loop), "restarting", None), property), (
-        f"{namespace}'s loops have no restarting property any more; update "
-        "_compat.mark_loop_finished"
+@pytest.mark.parametrize("max_steps", [-1, 8])
+def test_a_loop_state_loaded_from_rank_0_is_finished_with_every_loop_it_holds(namespace, max_steps):
+    # max_steps: the fit loop's restarting setter keeps True for an iteration-based fit
+    trainer = importlib.import_module(namespace).Trainer(
+        logger=False, enable_progress_bar=False, max_steps=max_steps
     )
-    loop.restarting = True
+    loop = trainer.fit_loop
+    assert callable(getattr(loop, "on_iteration_done", None)), (
+        f"{namespace}'s loops have no on_iteration_done any more; update _compat.mark_loop_finished"
+    )
+    loop.load_state_dict(loop.state_dict())  # what the driver does with rank 0's state
+    loops = [loop, loop.epoch_loop, loop.epoch_loop.val_loop]
+    assert loop.restarting == loop.epoch_loop.restarting == (max_steps > 0)
     _compat.mark_loop_finished(loop)
-    assert loop.restarting is False
+    assert [each.restarting for each in loops] == [False, False, False]
+    assert not any(each._loaded_from_state_dict for each in loops)
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)

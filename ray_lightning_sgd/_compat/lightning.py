@@ -271,9 +271,15 @@ def set_profiler_state(profiler: Any, state: dict[str, Any]) -> None:
 
 
 def mark_loop_finished(loop: Any) -> None:
-    """Driver side: a loop whose state came from rank 0 finished there; it is not resuming
-    (``restarting`` is a property of Lightning's private loop base class)."""
-    loop.restarting = False
+    """Driver side: a loop whose state came from rank 0 finished there, and so did each loop it
+    holds: none is resuming, as none is on rank 0 after the call. Lightning's own end of an
+    iteration (``on_iteration_done`` of its private loop base class) clears the flags that
+    ``load_state_dict`` set; the ``restarting`` setter would not (a fit loop with ``max_steps``
+    keeps it True, and the next ``fit`` would start as a restart inside an epoch)."""
+    loop.on_iteration_done()
+    for child in vars(loop).values():
+        if callable(getattr(child, "on_iteration_done", None)) and hasattr(child, "restarting"):
+            mark_loop_finished(child)
 
 
 def val_check_view(should_check: bool) -> Any:
