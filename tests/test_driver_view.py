@@ -6,6 +6,7 @@ import logging
 import os
 from pathlib import Path
 
+import lightning.pytorch.callbacks as LRCallbacks
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -13,6 +14,8 @@ from pytorch_lightning.callbacks import Callback, RichProgressBar, TQDMProgressB
 
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy
 from ray_lightning_sgd._driver.output import OutputPrinter
+from ray_lightning_sgd._driver.replay import TrainerView
+from ray_lightning_sgd.lightning import RaySGDStrategy as LRaySGDStrategy
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
 
 
@@ -169,6 +172,29 @@ def test_driver_callbacks_hear_of_a_failure(ray_cluster, tmp_path):
 def test_driver_callbacks_must_be_callbacks():
     with pytest.raises(ConfigurationError, match="driver_callbacks takes pytorch_lightning"):
         RaySGDStrategy(driver_callbacks=[print])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: pl.callbacks.ModelCheckpoint(),
+        lambda: pl.callbacks.EarlyStopping(monitor="loss"),
+        lambda: pl.callbacks.StochasticWeightAveraging(swa_lrs=0.1),
+        lambda: LRCallbacks.ModelCheckpoint(),
+    ],
+)
+def test_callbacks_that_act_on_the_training_are_refused_as_driver_callbacks(make):
+    callback = make()
+    strategy = RaySGDStrategy if isinstance(callback, pl.Callback) else LRaySGDStrategy
+    with pytest.raises(ConfigurationError, match=f"cannot hold {type(callback).__name__}.*Trainer"):
+        strategy(driver_callbacks=[callback])
+
+
+def test_a_driver_callback_cannot_save_the_drivers_untrained_model(tmp_path):
+    view = TrainerView(pl.Trainer(logger=False, default_root_dir=tmp_path))
+    with pytest.raises(RuntimeError, match="callback given to the Trainer"):
+        view.save_checkpoint(tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()
 
 
 def test_a_second_call_after_fit_ships_the_bar_without_its_view(ray_cluster, tmp_path, capfd):

@@ -11,6 +11,7 @@ Lightning strategy and its module wrapper accept (:func:`passed_on`, which
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import typing
@@ -71,13 +72,33 @@ def check_driver_callbacks(callbacks: Any, flavour: Flavour) -> list[Any]:
             f"driver_callbacks takes a list of {namespace} Callbacks, got {callbacks!r} "
             f"({type(callbacks).__name__})"
         )
+    trains = _training_callbacks(namespace)
     for callback in callbacks:
         if not isinstance(callback, expected):
             raise ConfigurationError(
                 f"driver_callbacks takes {namespace} Callbacks, got "
                 f"{callback!r}; subclass {namespace}.callbacks.Callback"
             )
+        if isinstance(callback, trains):
+            raise ConfigurationError(
+                f"driver_callbacks cannot hold {type(callback).__name__}: a driver callback "
+                "sees rank 0's events, not the model or the training, which stay on the "
+                "workers (it would save the driver's untrained model, or stop nothing); pass "
+                "it to the Trainer (Trainer(callbacks=[...])): it runs on rank 0 as under ddp, "
+                "and its state (best_model_path, ...) comes back to the driver's Trainer"
+            )
     return list(callbacks)
+
+
+def _training_callbacks(namespace: str) -> tuple[type, ...]:
+    """Lightning's callbacks that act on the model or on the training (save it, stop it,
+    change it), which the driver's view of rank 0's events cannot do."""
+    module = importlib.import_module(f"{namespace}.callbacks")
+    names = (
+        "Checkpoint", "EarlyStopping", "BaseFinetuning", "StochasticWeightAveraging",
+        "GradientAccumulationScheduler", "BatchSizeFinder", "LearningRateFinder", "ModelPruning",
+    )  # fmt: skip
+    return tuple(kind for kind in (getattr(module, name, None) for name in names) if kind)
 
 
 def worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, tuple[int, ...]]:

@@ -83,6 +83,13 @@ class TrainerView:
         # a callback that kept its view (a progress bar does) travels with the Trainer itself
         return (_same, (self._trainer,))
 
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            "a driver callback called trainer.save_checkpoint: the model trains on the "
+            "workers, and the driver's is not trained yet; save checkpoints from a callback "
+            "given to the Trainer (Trainer(callbacks=[...])), which runs on rank 0"
+        )
+
     def update(self, counters: dict[str, Any], metrics: dict[str, Any] | None) -> None:
         self._counters = counters
         if metrics is not None:
