@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -429,3 +430,29 @@ def test_a_warm_executor_interrupted_as_it_is_lent_is_stopped_and_not_listed(mon
         pool_module._find_or_start(None, None, reuse=True)  # type: ignore[arg-type]
     assert pool_module._leased == [] and pool_module._idle == []
     assert stopped == [False]
+
+
+def test_a_strategys_release_stops_its_idle_group_whatever_a_call_kept_free(monkeypatch):
+    """An elastic call over Ray Data runs its group with a CPU kept free for Ray Data's tasks;
+    strategy.shutdown_workers() (and leaving its with-block) must still find that group."""
+    from ray_lightning_sgd._executor import pool as pool_module
+    from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
+
+    stopped: list[str] = []
+
+    def idle(name: str, config: WorkerGroupConfig) -> object:
+        executor = SimpleNamespace(
+            shutdown=lambda graceful: stopped.append(name),
+            worker_group=SimpleNamespace(name=name),
+        )
+        return pool_module._Idle(None, config, ("job", "node"), executor)  # type: ignore[arg-type]
+
+    settings = WorkerGroupConfig(num_workers=2, sizes=(2, 1))
+    streamed = dataclasses.replace(settings, keep_free={"CPU": 1.0})
+    other = WorkerGroupConfig(num_workers=3, sizes=(3, 1), keep_free={"CPU": 1.0})
+    monkeypatch.setattr(pool_module, "_session", lambda: ("job", "node"))
+    monkeypatch.setattr(pool_module.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(pool_module, "_idle", [idle("streamed", streamed), idle("other", other)])
+    assert pool_module.shutdown(settings) == 1
+    assert stopped == ["streamed"]
+    assert [i.executor.worker_group.name for i in pool_module._idle] == ["other"]

@@ -221,8 +221,8 @@ def _shutdown_all() -> None:
 
 
 def shutdown(worker_group_config: WorkerGroupConfig | None = None) -> int:
-    """Driver side: shuts down idle workers (all, or those of one config, whatever code of the
-    driver's they hold); returns how many groups.
+    """Driver side: shuts down idle workers (all, or those of one config's settings, whatever
+    code of the driver's they hold and whatever a call kept free); returns how many groups.
 
     Workers that are running a call are not touched.
     """
@@ -230,7 +230,8 @@ def shutdown(worker_group_config: WorkerGroupConfig | None = None) -> int:
         chosen = [
             idle
             for idle in _idle
-            if worker_group_config is None or idle.worker_group_config == worker_group_config
+            if worker_group_config is None
+            or idle.worker_group_config.same_settings(worker_group_config)
         ]
         for idle in chosen:
             _idle.remove(idle)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray_lightning_sgd._worker_group.code import DriverCode
@@ -183,6 +183,11 @@ class WorkerGroupConfig:
     def min_workers(self) -> int:
         """The fewest workers the group may have."""
         return self.sizes[-1] if self.sizes else self.num_workers
+
+    def same_settings(self, other: WorkerGroupConfig) -> bool:
+        """Whether ``other`` has this config's settings, whatever one call kept free (the
+        launcher adds :attr:`keep_free` to the strategy's settings for a call)."""
+        return replace(self, keep_free={}) == replace(other, keep_free={})
 
     def leaves_free(self, size: int, totals: Mapping[str, float]) -> bool:
         """Whether ``size`` workers leave :attr:`keep_free` of the cluster's ``totals`` (its
