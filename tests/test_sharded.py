@@ -3,10 +3,12 @@ Lightning's own ModelParallelStrategy and against RaySGDStrategy; RayFSDPStrateg
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,6 +83,31 @@ def test_fsdp2_on_ray_equals_lightnings_model_parallel_strategy(ray_cluster, lig
     assert model.local_numel == model.net[0].weight.numel() // 2
     _assert_close(weights, lightning_reference(), 1e-6)
     assert trainer.callback_metrics["train_loss"] > 0
+
+
+@needs_cpu_fsdp2
+def test_a_tune_report_of_a_sharded_fit_carries_one_whole_checkpoint(ray_cluster, monkeypatch):
+    """TuneReportCallback(save_checkpoints=True) on FSDP2: one whole checkpoint goes to the
+    driver (a distributed checkpoint would be a folder of shards on each node), and the local
+    temporary folder it was written in is gone."""
+    from ray_lightning_sgd._boundary import tune as tune_boundary
+    from ray_lightning_sgd.tune import TuneReportCallback
+
+    reports: list[tuple] = []  # the driver's end, where a trial's process hands it to Tune
+    monkeypatch.setattr(tune_boundary, "report_to_tune", lambda *report: reports.append(report))
+    before = set(os.listdir(tempfile.gettempdir()))
+    callback = TuneReportCallback("train_loss", on="train_epoch_end", save_checkpoints=True)
+    _, model = _fit(
+        RayModelParallelStrategy(num_workers=2, **FSDP2), epochs=1, callbacks=[callback]
+    )
+    [(metrics, data, filename)] = reports
+    assert set(metrics) == {"train_loss"} and filename == "checkpoint.ckpt"
+    state = torch.load(io.BytesIO(data), weights_only=False)["state_dict"]
+    assert {k: v.shape for k, v in state.items()} == {
+        k: v.shape for k, v in model.state_dict().items()
+    }
+    new = set(os.listdir(tempfile.gettempdir())) - before
+    assert not [name for name in new if name.startswith("ray_lightning_sgd-")], new
 
 
 @needs_cpu_fsdp2

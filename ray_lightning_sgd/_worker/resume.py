@@ -253,8 +253,6 @@ class ResumeCheckpointBase:
         whenever rank 0 dies, the folder's newest complete checkpoint, or the one the driver
         holds, is there.
         """
-        # a sharded strategy saves this checkpoint whole (see OnWorkersBase.resume_checkpoints)
-        whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
         rank_zero = trainer.global_rank == 0
         batches = None if self._saving is None else self._saving[0]
         epoch = trainer.current_epoch if epoch is None else epoch
@@ -265,6 +263,8 @@ class ResumeCheckpointBase:
             temp = _files.child(folder, _files.temp_name(name, unique=False))
             if rank_zero:
                 _files.remove_leftovers(folder, starting=".resume-")  # of a killed writer
+            # a sharded strategy saves this checkpoint whole (see OnWorkersBase.resume_checkpoints)
+            whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
             try:
                 with whole, _saved_in_place(trainer.strategy):
                     trainer.save_checkpoint(temp)
@@ -278,16 +278,7 @@ class ResumeCheckpointBase:
             data = None
         else:
             uri = None
-            _scratch.sweep()  # what killed workers of this node left
-            # a folder of its own: Lightning's save replaces the file by name, out of a lock
-            held = _scratch.create_folder()
-            try:
-                path = os.path.join(held, "resume.ckpt")
-                with whole, _saved_in_place(trainer.strategy):
-                    trainer.save_checkpoint(path)
-                data = _read(path) if rank_zero else None
-            finally:
-                _scratch.release(held)
+            data = checkpoint_bytes(trainer, "resume.ckpt")
         point = ResumePoint(
             epoch, trainer.global_step, data=data, uri=uri,
             logger_versions=tuple(logger_versions(trainer)) if rank_zero else (),
@@ -347,6 +338,24 @@ def _delete_older(storage: str, point: ResumePoint, keep_last: int) -> None:
 def logger_versions(trainer: pl.Trainer) -> list[Any]:
     """Runs on rank 0. Its loggers' versions (resolved there: the folders it writes to)."""
     return [getattr(logger, "version", None) for logger in trainer.loggers]
+
+
+def checkpoint_bytes(trainer: pl.Trainer, name: str) -> bytes | None:
+    """Every rank: saves a checkpoint of the Trainer now, one whole file however the strategy
+    shards (see ``OnWorkersBase.resume_checkpoints``), in a local temporary folder that no
+    killed worker leaves behind (:mod:`ray_lightning_sgd._scratch`); its bytes on rank 0, None
+    on the others."""
+    whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
+    _scratch.sweep()  # what killed workers of this node left
+    # a folder of its own: Lightning's save replaces the file by name, out of a lock
+    held = _scratch.create_folder()
+    try:
+        path = os.path.join(held, name)
+        with whole, _saved_in_place(trainer.strategy):
+            trainer.save_checkpoint(path)
+        return _read(path) if trainer.global_rank == 0 else None
+    finally:
+        _scratch.release(held)
 
 
 def _read(path: str) -> bytes:

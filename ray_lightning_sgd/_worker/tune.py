@@ -7,12 +7,12 @@ Rank 0 sends each report (and the checkpoint's bytes) to the driver, the trial's
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd._boundary.tune import report_to_tune
 from ray_lightning_sgd._worker.events import send_to_driver
+from ray_lightning_sgd._worker.resume import checkpoint_bytes
 from ray_lightning_sgd._worker_group.config import flag
 from ray_lightning_sgd.exceptions import ConfigurationError
 
@@ -101,18 +101,8 @@ class TuneReportCallbackBase:
                 f"are {sorted(available)}"
             )
         metrics = {tune_name: float(available[name]) for tune_name, name in wanted.items()}
-        data = self._checkpoint_bytes(trainer) if self._save_checkpoints else None
+        # one whole file on every strategy (a sharded one's too), in a temporary folder that
+        # the node's next sweep removes when a worker is killed while it saves
+        data = checkpoint_bytes(trainer, self._filename) if self._save_checkpoints else None
         if trainer.global_rank == 0:
             send_to_driver(report_to_tune, metrics, data, self._filename)
-
-    def _checkpoint_bytes(self, trainer: pl.Trainer) -> bytes | None:
-        fd, path = tempfile.mkstemp(prefix="ray_lightning_sgd-tune-", suffix=".ckpt")
-        os.close(fd)
-        try:
-            trainer.save_checkpoint(path)
-            if trainer.global_rank != 0:
-                return None
-            with open(path, "rb") as file:
-                return file.read()
-        finally:
-            os.unlink(path)
