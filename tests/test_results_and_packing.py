@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -92,6 +93,22 @@ def test_global_state_round_trips():
     state.restore()
     got = (torch.rand(2), random.random(), np.random.rand())
     assert torch.equal(expected[0], got[0]) and expected[1:] == got[1:]
+
+
+def test_worker_env_keeps_the_variables_lightning_inherits_that_it_sets(monkeypatch):
+    """worker_env={"CUBLAS_WORKSPACE_CONFIG": ...} (deterministic cuBLAS on GPU workers) wins
+    over the driver's environment, which sets the others of Lightning's inherited variables
+    and unsets those it lacks."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    worker_env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "OTHER": "x"}
+    state = GlobalState.capture(worker_env)
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")  # a warm worker's, from an earlier call
+    state.restore()
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
+    assert os.environ.get("PL_GLOBAL_SEED") == "7"
+    assert "PL_SEED_WORKERS" not in os.environ
 
 
 def test_mixed_batched_and_unbatched_columns_are_not_split_per_item():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -81,8 +81,11 @@ class GlobalState:
     env: dict[str, str]
 
     @classmethod
-    def capture(cls) -> GlobalState:
-        """Driver side: captures the flags, RNG states and inherited environment variables."""
+    def capture(cls, worker_env: Mapping[str, str] | None = None) -> GlobalState:
+        """Driver side: captures the flags, RNG states and inherited environment variables;
+        those that the workers' own ``worker_env`` sets keep its values there."""
+        env = {key: os.environ[key] for key in _INHERITED_ENV if key in os.environ}
+        env.update({k: v for k, v in (worker_env or {}).items() if k in _INHERITED_ENV})
         return cls(
             use_deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
             deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -91,7 +94,7 @@ class GlobalState:
             numpy_rng=np.random.get_state(),
             torch_rng=torch.get_rng_state(),
             torch_seed=torch.initial_seed(),
-            env={key: os.environ[key] for key in _INHERITED_ENV if key in os.environ},
+            env=env,
         )
 
     def restore(self) -> None:

@@ -156,7 +156,8 @@ class RayLauncherBase(_Base):
         point; the driver's global state captured now."""
         config, group = self._strategy.run_config, self._strategy.worker_group_config
         return Payload(
-            call.trainer, call.function, call.args, call.kwargs, GlobalState.capture(),
+            call.trainer, call.function, call.args, call.kwargs,
+            GlobalState.capture(group.worker_env),
             call_id=run_id,
             forward_events=polled and bool(_driver_callbacks(call.trainer, self._strategy)),
             report_progress=polled,  # for the progress timeout and the hang report
