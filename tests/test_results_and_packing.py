@@ -53,6 +53,18 @@ def test_unsplittable_outputs_fall_back_to_rank_order_with_a_warning():
     assert [m.item() for m in merged] == [2.0, 4.0]
 
 
+def test_a_tuple_of_values_per_batch_is_no_list_per_sample_whatever_its_length():
+    # (a float, a str) per batch of 2: a record, as ddp's rank 0 returns it, not 2 samples
+    ranks = _distributed_batches(8, 2, 2, lambda b: (float(sum(b)), f"batch {b}"))
+    with pytest.warns(UserWarning, match="could not split predictions"):
+        [merged] = merge_predictions(ranks)
+    assert merged == [(2.0, "batch [0, 2]"), (10.0, "batch [4, 6]"), (4.0, "batch [1, 3]"),
+                      (12.0, "batch [5, 7]")]  # fmt: skip
+    # a list of one value per sample is split and ordered
+    ranks = _distributed_batches(4, 2, 2, lambda b: [f"row {i}" for i in b])
+    assert merge_predictions(ranks) == [[["row 0", "row 1"], ["row 2", "row 3"]]]
+
+
 def test_several_dataloaders_merge_separately():
     first = _distributed_batches(4, 2, 2, lambda b: torch.tensor(b))
     second = _distributed_batches(6, 2, 3, lambda b: torch.tensor(b) * 10)

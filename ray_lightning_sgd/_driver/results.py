@@ -340,8 +340,9 @@ def _split(output: Any, n: int) -> list[Any] | None:
         if output and all(c is not None for c in columns):
             rows = [[c[i] for c in columns] for i in range(n)]  # type: ignore[index]
             return [_Row(type(output), row) for row in rows]
-        if len(output) == n and all(c is None for c in columns):
-            # a list with one entry per sample; a mix of batched and unbatched columns is not
+        if isinstance(output, list) and len(output) == n and all(c is None for c in columns):
+            # a list with one entry per sample; a mix of batched and unbatched columns is not,
+            # nor a tuple of values that are no batches (a record, of the batch's size by chance)
             return [_Item(value) for value in output]
     return None
 
