@@ -78,6 +78,22 @@ def test_a_trial_the_cluster_cannot_hold_is_refused_at_once(free_cluster):
         RaySGDStrategy(num_workers=8).tune_resources()
 
 
+def test_a_head_bundle_is_checked_and_counted_beside_the_workers(free_cluster):
+    # the session's cluster: one node of 2 CPUs
+    two = RaySGDStrategy(num_workers=2)
+    assert two.tune_resources().required_resources == {"CPU": 2.0}  # the head asks nothing
+    with pytest.raises(ResourcesUnavailableError, match=r"beside the head bundle \{'CPU': 1.0\}"):
+        two.tune_resources(head_bundle={"CPU": 1})
+    one = RaySGDStrategy(num_workers=1)
+    assert one.tune_resources(head_bundle={"CPU": 1}).bundles == [{"CPU": 1.0}] * 2
+    with pytest.raises(ResourcesUnavailableError, match="no node has the head bundle"):
+        one.tune_resources(head_bundle={"CPU": 64})
+    for bad, named in (({"cpu": 1}, "'CPU'"), ("CPU", "dict of Ray resources"),
+                       ({"CPU": 0}, "at least 0.0001"), ({"CPU": True}, "at least")):  # fmt: skip
+        with pytest.raises(ConfigurationError, match=named):
+            one.tune_resources(head_bundle=bad)
+
+
 def test_bundles_of_an_enclosing_group_are_chosen_or_refused():
     head_and_two = [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
     assert bundles_for_workers(head_and_two, {"CPU": 1, "GPU": 1}, 2) == [1, 2]

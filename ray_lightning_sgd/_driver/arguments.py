@@ -388,3 +388,36 @@ def distributed_debug_level() -> str:
     from packaging.version import Version
 
     return "INFO" if Version(torch.__version__).release[:2] == (2, 15) else "DETAIL"
+
+
+def check_head_bundle(head_bundle: Any) -> dict[str, float]:
+    """``tune_resources``'s ``head_bundle`` as a dict of Ray resources (None: {}); raises
+    unless it maps resource names to amounts Ray takes."""
+    if head_bundle is None:
+        return {}
+    fix = "for example head_bundle={'CPU': 1}, or None for a trial process that only waits"
+    if not isinstance(head_bundle, Mapping):
+        raise ConfigurationError(
+            f"head_bundle must be a dict of Ray resources, got {head_bundle!r}; {fix}"
+        )
+    for name, amount in head_bundle.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(
+                f"head_bundle's resource names must be non-empty str, got {name!r}; {fix}"
+            )
+        if name.lower() in ("cpu", "gpu") and name != name.upper():
+            raise ConfigurationError(
+                f"head_bundle names {name!r}: Ray's resource is {name.upper()!r} (names are "
+                f"case-sensitive); {fix}"
+            )
+        if (
+            isinstance(amount, bool)
+            or not isinstance(amount, (int, float))
+            or not math.isfinite(amount)
+            or not amount >= 0.0001  # Ray's resource precision
+        ):
+            raise ConfigurationError(
+                f"head_bundle[{name!r}] must be a number of at least 0.0001, got {amount!r}; "
+                "leave the resource out instead of asking for none of it"
+            )
+    return {name: float(amount) for name, amount in head_bundle.items()}

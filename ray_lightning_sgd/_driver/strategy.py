@@ -428,12 +428,13 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             raise ImportError(
                 "tune_resources needs Ray Tune: pip install 'ray_lightning_sgd[tune]'"
             ) from err
+        head = arguments.check_head_bundle(head_bundle)
         config = self._worker_group_config
         cluster.connect()
         cluster.check_placement_is_possible(
-            config.resources_per_worker, config.num_workers, config.placement_strategy
+            config.resources_per_worker, config.num_workers, config.placement_strategy, head
         )
-        bundles = [dict(head_bundle or {})]
+        bundles = [head]
         bundles += [dict(config.resources_per_worker) for _ in range(config.num_workers)]
         return PlacementGroupFactory(bundles, strategy=config.placement_strategy)
 

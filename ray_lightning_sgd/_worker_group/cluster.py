@@ -155,14 +155,22 @@ def _join(address: str, named: str) -> bool:
 
 
 def check_placement_is_possible(
-    bundle: Mapping[str, float], num_workers: int, strategy: str
+    bundle: Mapping[str, float],
+    num_workers: int,
+    strategy: str,
+    head: Mapping[str, float] | None = None,
 ) -> None:
-    """Driver side: raises if the cluster's nodes could never host the workers.
+    """Driver side: raises if the cluster's nodes could never host the workers (beside a
+    ``head`` bundle in the same placement group: a Ray Tune trial's own process).
 
     Raises:
         ResourcesUnavailableError: Naming what was requested and what the cluster has.
     """
-    problem = placement_problem(bundle, num_workers, strategy, node_resources())
+    nodes = node_resources()
+    if head:
+        problem = _problem_beside(head, bundle, num_workers, strategy, nodes)
+    else:
+        problem = placement_problem(bundle, num_workers, strategy, nodes)
     if problem is not None:
         raise ResourcesUnavailableError(
             f"cannot place {num_workers} workers of {dict(bundle)} ({strategy}): {problem}. "
@@ -215,6 +223,36 @@ def describe_available() -> str:
         f"the cluster has {_summary(ray.cluster_resources())} in total over {nodes} node(s), "
         f"{_summary(ray.available_resources())} free now"
     )
+
+
+def _problem_beside(
+    head: Mapping[str, float],
+    bundle: Mapping[str, float],
+    num_workers: int,
+    strategy: str,
+    nodes: Sequence[Mapping[str, float]],
+) -> str | None:
+    """Why the workers can never be placed beside ``head`` (one more bundle of their placement
+    group), or None: some node holds the head and the rest of the cluster the workers."""
+    first: str | None = None
+    for i, node in enumerate(nodes):
+        if _bundles_that_fit(head, node) < 1:
+            continue
+        rest = {name: amount - head.get(name, 0.0) for name, amount in node.items()}
+        others: list[Mapping[str, float]]
+        if strategy == "STRICT_PACK":
+            others = [rest]  # every bundle on the head's node
+        elif strategy == "STRICT_SPREAD":
+            others = [n for j, n in enumerate(nodes) if j != i]  # each bundle a node of its own
+        else:
+            others = [rest if j == i else n for j, n in enumerate(nodes)]
+        problem = placement_problem(bundle, num_workers, strategy, others)
+        if problem is None:
+            return None
+        first = first or problem
+    if first is None:
+        return f"no node has the head bundle {dict(head)}"
+    return f"{first}, beside the head bundle {dict(head)}"
 
 
 def _bundles_that_fit(bundle: Mapping[str, float], node: Mapping[str, float]) -> int:
