@@ -206,6 +206,25 @@ def test_lightning_gives_the_profiler_a_weak_proxy_of_the_model(namespace):
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
+def test_loops_keep_their_batch_counts_where_the_trainer_reads_them(namespace):
+    trainer = importlib.import_module(namespace).Trainer(logger=False, enable_progress_bar=False)
+    counts = _compat.batch_counts(trainer)
+    assert len(counts) == 5, "a loop's batch counts moved: update _compat._LOOP_BATCHES"
+    counts = {
+        "fit_loop": 4,
+        "fit_loop.epoch_loop.val_loop": [2, 3],
+        "validate_loop": [5],
+        "test_loop": [6],
+        "predict_loop": [7, 1],
+    }
+    _compat.set_batch_counts(trainer, counts)
+    assert trainer.num_training_batches == 4 and trainer.num_val_batches == [2, 3]
+    assert trainer.num_test_batches == [6] and trainer.num_predict_batches == [7, 1]
+    assert trainer.validate_loop.max_batches == [5]
+    assert _compat.batch_counts(trainer) == counts
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
 @pytest.mark.parametrize("max_steps", [-1, 8])
 def test_a_loop_state_loaded_from_rank_0_is_finished_with_every_loop_it_holds(namespace, max_steps):
     # max_steps: the fit loop's restarting setter keeps True for an iteration-based fit

@@ -31,6 +31,8 @@ class RankZeroResults(NamedTuple):
     #: ``Trainer.ckpt_path`` (the checkpoint the call restored) and whether the user set it
     #: (see :func:`ray_lightning_sgd._compat.checkpoint_selection`).
     checkpoint: tuple[Any, bool] = (None, False)
+    #: Each loop's batch counts (see ``_compat.batch_counts``); None: none sent.
+    batch_counts: dict[str, Any] | None = None
 
 
 class RankPredictions(NamedTuple):

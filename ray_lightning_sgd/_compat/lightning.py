@@ -270,6 +270,37 @@ def set_profiler_state(profiler: Any, state: dict[str, Any]) -> None:
     own.update(kept)
 
 
+#: The Trainer's loops whose batch counts (``num_training_batches``, ``num_val_batches``, ...)
+#: rank 0 sends back, and the attribute each keeps them in (an evaluation loop's ``max_batches``
+#: is a property over its private ``_max_batches``).
+_LOOP_BATCHES = (
+    ("fit_loop", "max_batches"),
+    ("fit_loop.epoch_loop.val_loop", "_max_batches"),
+    ("validate_loop", "_max_batches"),
+    ("test_loop", "_max_batches"),
+    ("predict_loop", "max_batches"),
+)
+
+
+def _loop(trainer: Any, path: str) -> Any:
+    for name in path.split("."):
+        trainer = getattr(trainer, name)
+    return trainer
+
+
+def batch_counts(trainer: Any) -> dict[str, Any]:
+    """Runs on rank 0. Each loop's number of batches per dataloader after a call, which the
+    Trainer's ``num_*_batches`` read."""
+    return {path: getattr(_loop(trainer, path), name) for path, name in _LOOP_BATCHES}
+
+
+def set_batch_counts(trainer: Any, counts: dict[str, Any]) -> None:
+    """Driver side: the driver's loops count rank 0's batches, as ``ddp``'s driver (rank 0)."""
+    for path, name in _LOOP_BATCHES:
+        if path in counts:
+            setattr(_loop(trainer, path), name, counts[path])
+
+
 def mark_loop_finished(loop: Any) -> None:
     """Driver side: a loop whose state came from rank 0 finished there, and so did each loop it
     holds: none is resuming, as none is on rank 0 after the call. Lightning's own end of an

@@ -47,6 +47,7 @@ def recover_results_in_driver(
     loop = loop_of(trainer)
     loop.load_state_dict(rank_zero.loop_state)
     _compat.mark_loop_finished(loop)
+    _compat.set_batch_counts(trainer, rank_zero.batch_counts or {})
     restored = _restore_attributes(trainer, model, datamodule, rank_zero.attributes, datasets)
     for logger, version in zip(trainer.loggers, rank_zero.logger_versions, strict=False):
         if id(logger) not in restored:

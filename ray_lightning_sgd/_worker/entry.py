@@ -370,6 +370,7 @@ def _collect_results(
         files={},
         logger_versions=logger_versions(trainer),
         checkpoint=_compat.checkpoint_selection(trainer),
+        batch_counts=_compat.batch_counts(trainer),
     )
     return WorkerOutput(to_cpu(results), rank_zero, predictions)
 

@@ -142,6 +142,17 @@ def snapshot(trainer: Any, model: Any, result: Any, root: Path) -> dict[str, Any
         "status": (str(trainer.state.fn), str(trainer.state.status), str(trainer.state.stage)),
         "current_epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
+        # rank 0's batch counts, and no loop left restarting (a next fit would start inside
+        # an epoch)
+        "batch_counts": [
+            trainer.num_training_batches,
+            *(list(counts) for counts in (trainer.num_val_batches, trainer.num_test_batches)),
+            list(trainer.num_predict_batches),
+        ],
+        "loops_restarting": [
+            loop.restarting
+            for loop in (trainer.fit_loop, trainer.fit_loop.epoch_loop, trainer.validate_loop)
+        ],
         "weights": _weights(model.state_dict()),
         "model_attributes": {
             k: v
@@ -530,6 +541,9 @@ def case_loop_controls(run: Run) -> None:
         num_sanity_val_steps=1,
     )
     run.record("fit", trainer, model, trainer.fit(model, loader(shuffle=True), loader(32)))
+    # more steps, the same Trainer: the next fit goes on from step 9 in epoch 2, as ddp's
+    trainer.fit_loop.epoch_loop.max_steps = 13
+    run.record("fit to more steps", trainer, model, trainer.fit(model, loader(shuffle=True)))
     validate = run.trainer(limit_val_batches=1)
     run.record("validate limited", validate, model, validate.validate(model, loader(32)))
 
