@@ -539,6 +539,35 @@ def test_the_artifacts_probe_goes_when_the_launch_fails_before_it_runs(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".ray")] == []
 
 
+def test_a_killed_drivers_probe_goes_at_the_next_call_and_a_live_ones_stays(tmp_path):
+    """A driver killed during a call (SIGKILL; a Tune trial's actor ended while the call cleaned
+    up) leaves its probe file; the next call in that folder removes it, not a running call's."""
+    from ray_lightning_sgd._driver import artifacts
+
+    script = (
+        "import sys, time, types\n"
+        "from ray_lightning_sgd._driver import artifacts\n"
+        "print(artifacts.prepare(types.SimpleNamespace(default_root_dir=sys.argv[1])).probe)\n"
+        "sys.stdout.flush(); time.sleep(60)\n"
+    )
+    killed = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    left = killed.stdout.readline().strip()  # type: ignore[union-attr]
+    live = artifacts.prepare(SimpleNamespace(default_root_dir=str(tmp_path)))  # type: ignore[arg-type]
+    assert live is not None and os.path.exists(left), "a running driver's probe stays"
+    killed.kill()
+    killed.wait()
+    again = artifacts.prepare(SimpleNamespace(default_root_dir=str(tmp_path)))  # type: ignore[arg-type]
+    assert again is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        os.path.basename(a.probe) for a in (live, again)
+    ), "the killed driver's probe was not removed, or a live one was"
+    artifacts.finish(live)
+    artifacts.finish(again)
+    assert list(tmp_path.iterdir()) == []
+
+
 class _Dies(TinyModel):
     """Rank 1 exits at each global step of ``steps`` once (a marker file per step)."""
 

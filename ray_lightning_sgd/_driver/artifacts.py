@@ -3,6 +3,8 @@ file before a call, the files rank 0 sent written after it."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import uuid
@@ -17,28 +19,83 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: How the probe files' names start (hidden: Lightning's and our listings skip them).
+PROBE_PREFIX = ".ray_lightning_sgd-probe-"
+#: The probe files of this process's running calls: path -> the descriptor holding its lock.
+_held: dict[str, int] = {}
+
+
 def prepare(trainer: pl.Trainer) -> Artifacts | None:
     """Driver side: leaves a probe file in the Trainer's local ``default_root_dir``; None when
-    that folder is a remote URI (shared by definition) or cannot be written (nothing to mirror)."""
+    that folder is a remote URI (shared by definition) or cannot be written (nothing to mirror).
+
+    The driver holds a shared ``flock`` on its probe while the call runs; the kernel drops it
+    when the process ends, however it ends (SIGKILL, a Ray Tune trial's actor ended while the
+    call cleaned up), and each call first removes the probes in the folder that no process
+    holds."""
     root = local_path(trainer.default_root_dir)
     if root is None:
         return None
     try:
         os.makedirs(root, exist_ok=True)
-        probe = os.path.join(root, f".ray_lightning_sgd-probe-{uuid.uuid4().hex}")
-        open(probe, "w").close()
+        _sweep(root)
+        while True:
+            probe = os.path.join(root, f"{PROBE_PREFIX}{uuid.uuid4().hex}")
+            fd = os.open(probe, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            if _held_on(fd, probe):
+                break
+            os.close(fd)  # another driver's sweep took it between its creation and the lock
     except OSError:
         return None
+    _held[probe] = fd
     return Artifacts(probe)
 
 
 def finish(artifacts: Artifacts | None) -> None:
     """Driver side: removes the probe file."""
     if artifacts is not None and artifacts.probe is not None:
+        fd = _held.pop(artifacts.probe, None)
+        if fd is not None:
+            os.close(fd)
         try:
             os.unlink(artifacts.probe)
         except FileNotFoundError:
             pass
+
+
+def _held_on(fd: int, path: str) -> bool:
+    """Holds ``fd``'s file for this process (nothing where the file system has no locks);
+    whether it is still the file at ``path``."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _sweep(root: str) -> None:
+    """Removes the probe files in ``root`` that no process holds: those of drivers that ended
+    before they could remove their own."""
+    try:
+        names = [name for name in os.listdir(root) if name.startswith(PROBE_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a driver holds it
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                os.unlink(path)
+                log.debug("Removed %s, a probe file of an ended driver", path)
+        except OSError:
+            pass  # held, gone, or no locks on this file system: left alone
+        finally:
+            os.close(fd)
 
 
 def write(files: dict[str, bytes]) -> None:
