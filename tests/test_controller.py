@@ -294,7 +294,7 @@ def test_an_attempt_that_fails_once_its_workers_started_gives_them_back(monkeypa
     )
     monkeypatch.setattr(launcher_module._scratch, "sweep", lambda wait_s=0.0: [])
     launcher = RayLauncher(RaySGDStrategy(num_workers=1))
-    monkeypatch.setattr(launcher, "_start_executor", lambda: executor)
+    monkeypatch.setattr(launcher, "_start_executor", lambda streams: executor)
     payload = SimpleNamespace(call_id="call-0", trainer=None)
     with pytest.raises(KeyboardInterrupt):
         launcher._start_attempt(payload, Run(), None, None)  # type: ignore[arg-type]
