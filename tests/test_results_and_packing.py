@@ -63,6 +63,11 @@ def test_a_tuple_of_values_per_batch_is_no_list_per_sample_whatever_its_length()
     # a list of one value per sample is split and ordered
     ranks = _distributed_batches(4, 2, 2, lambda b: [f"row {i}" for i in b])
     assert merge_predictions(ranks) == [[["row 0", "row 1"], ["row 2", "row 3"]]]
+    # a tuple of one value per sample beside a batched column (a collate_fn's zip(*batch))
+    ranks = _distributed_batches(4, 2, 2, lambda b: {"x": torch.tensor(b), "path": tuple(b)})
+    [merged] = merge_predictions(ranks)
+    assert [m["x"].tolist() for m in merged] == [[0, 1], [2, 3]]
+    assert [m["path"] for m in merged] == [(0, 1), (2, 3)]
 
 
 def test_several_dataloaders_merge_separately():

@@ -83,8 +83,12 @@ def _sweep(root: str) -> None:
         return
     for name in names:
         path = os.path.join(root, name)
+        if path in _held:
+            continue  # another call of this process runs: closing a descriptor of it could
+            # drop its lock (where flock is emulated by POSIX locks: NFS)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # for writing: where flock is emulated by POSIX locks, an exclusive one needs it
+            fd = os.open(path, os.O_RDWR)
         except OSError:
             continue
         try:

@@ -325,26 +325,29 @@ def _merge_one(batches: list[tuple[Any, list[int] | None]]) -> list[Any]:
     return [_join(ordered[i : i + batch_size]) for i in range(0, len(ordered), batch_size)]
 
 
-def _split(output: Any, n: int) -> list[Any] | None:
-    """Splits one batch's output into ``n`` per-sample pieces, or returns None if it cannot."""
+def _split(output: Any, n: int, top: bool = True) -> list[Any] | None:
+    """Splits one batch's output into ``n`` per-sample pieces, or returns None if it cannot.
+    ``top``: the batch's whole output, not a column of it."""
     if isinstance(output, Tensor):
         if output.dim() == 0 or output.shape[0] != n:
             return None
         return [output[i : i + 1] for i in range(n)]
     if isinstance(output, dict):
-        parts = {key: _split(value, n) for key, value in output.items()}
+        parts = {key: _split(value, n, top=False) for key, value in output.items()}
         if any(p is None for p in parts.values()):
             return None
         return [{key: p[i] for key, p in parts.items()} for i in range(n)]  # type: ignore[index]
     if isinstance(output, (list, tuple)):
-        columns = [_split(value, n) for value in output]
+        columns = [_split(value, n, top=False) for value in output]
         if output and all(c is not None for c in columns):
             rows = [[c[i] for c in columns] for i in range(n)]  # type: ignore[index]
             return [_Row(type(output), row) for row in rows]
-        if isinstance(output, list) and len(output) == n and all(c is None for c in columns):
-            # a list with one entry per sample; a mix of batched and unbatched columns is not,
-            # nor a tuple of values that are no batches (a record, of the batch's size by chance)
-            return [_Item(value) for value in output]
+        record = top and isinstance(output, tuple)
+        if len(output) == n and all(c is None for c in columns) and not record:
+            # one entry per sample (a list, or a tuple in a column: a collate_fn's zip(*batch));
+            # not a mix of batched and unbatched columns, nor a batch's whole output that is a
+            # tuple of values that are no batches (a record, of the batch's size by chance)
+            return [_Item(value, type(output)) for value in output]
     return None
 
 
@@ -356,9 +359,10 @@ class _Row(NamedTuple):
 
 
 class _Item(NamedTuple):
-    """A sample's entry of a per-sample list output."""
+    """A sample's entry of a per-sample list (or tuple) output."""
 
     value: Any
+    kind: type = list
 
 
 def _join(pieces: list[Any]) -> Any:
@@ -374,7 +378,7 @@ def _join(pieces: list[Any]) -> Any:
             return first.kind(*columns)
         return first.kind(columns)
     if isinstance(first, _Item):
-        return [p.value for p in pieces]
+        return first.kind(p.value for p in pieces)
     if isinstance(first, dict):
         return {key: _join([p[key] for p in pieces]) for key in first}
     raise TypeError(f"cannot join prediction pieces of type {type(first).__name__}")
