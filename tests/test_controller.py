@@ -404,6 +404,7 @@ def test_a_warm_executor_interrupted_as_it_is_lent_is_stopped_and_not_listed(mon
     """A Ctrl-C right after a warm executor was listed as lent: the pool stops it (no caller
     holds it) and takes it off the list (the exit clean-up would stop it a second time)."""
     from ray_lightning_sgd._executor import pool as pool_module
+    from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 
     stopped: list[bool] = []
     warm = SimpleNamespace(
@@ -424,10 +425,10 @@ def test_a_warm_executor_interrupted_as_it_is_lent_is_stopped_and_not_listed(mon
     monkeypatch.setattr(
         pool_module,
         "_idle",
-        [pool_module._Idle(None, None, ("job", "node"), warm)],  # type: ignore[arg-type]
+        [pool_module._Idle(None, WorkerGroupConfig(), ("job", "node"), warm)],  # type: ignore[arg-type]
     )
     with pytest.raises(KeyboardInterrupt):
-        pool_module._find_or_start(None, None, reuse=True)  # type: ignore[arg-type]
+        pool_module._find_or_start(None, WorkerGroupConfig(), reuse=True)  # type: ignore[arg-type]
     assert pool_module._leased == [] and pool_module._idle == []
     assert stopped == [False]
 
@@ -456,3 +457,57 @@ def test_a_strategys_release_stops_its_idle_group_whatever_a_call_kept_free(monk
     assert pool_module.shutdown(settings) == 1
     assert stopped == ["streamed"]
     assert [i.executor.worker_group.name for i in pool_module._idle] == ["other"]
+
+
+class _WarmGroup:
+    """A warm elastic group of ``size`` workers, its room to grow given."""
+
+    def __init__(self, size: int, config: object, room: bool = False) -> None:
+        self.size, self.config, self.room, self.name = size, config, room, f"warm-{size}"
+        self.asked: list[object] = []
+
+    def __len__(self) -> int:
+        return self.size
+
+    def has_room_to_grow(self, config=None) -> bool:
+        self.asked.append(config)
+        return self.room
+
+
+@pytest.mark.parametrize(
+    "kept_free_before", [True, False], ids=["data-then-loader", "loader-then-data"]
+)
+def test_warm_elastic_workers_serve_calls_with_and_without_ray_data_at_a_size_that_fits(
+    monkeypatch, kept_free_before
+):
+    """An elastic fit over Ray Data, then a predict with a DataLoader (or the reverse), reuses
+    the warm group when its size is one a new group would take; a group that would leave Ray
+    Data's tasks less than a CPU is replaced (2 CPUs, 0.5 a worker: 3 workers leave 0.5)."""
+    from ray_lightning_sgd._executor import pool as pool_module
+    from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
+
+    plain = WorkerGroupConfig(num_workers=3, sizes=(3, 2, 1), resources_per_worker={"CPU": 0.5})
+    streams = dataclasses.replace(plain, keep_free={"CPU": 1.0})
+    before, wanted = (streams, plain) if kept_free_before else (plain, streams)
+    monkeypatch.setattr(pool_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(pool_module, "_session", lambda: ("job", "node"))
+    for size, reused in ((2, True), (3, not wanted.keep_free)):
+        group = _WarmGroup(size, before)
+        stopped: list[bool] = []
+        warm = SimpleNamespace(
+            worker_group=group,
+            is_alive=lambda timeout_s: True,
+            shutdown=lambda graceful, stopped=stopped: stopped.append(graceful),
+        )
+        monkeypatch.setattr(pool_module, "_leased", [])
+        monkeypatch.setattr(
+            pool_module, "_idle", [pool_module._Idle(None, before, ("job", "node"), warm)]
+        )  # type: ignore[arg-type]
+        monkeypatch.setattr(
+            pool_module, "BackendExecutor", lambda *args: SimpleNamespace(start=lambda: None)
+        )
+        executor, was_warm = pool_module._find_or_start(None, wanted, reuse=True)  # type: ignore[arg-type]
+        assert was_warm is reused and (executor is warm) is reused, (size, reused)
+        assert len(stopped) == (0 if reused else 1), "a group of the wrong size was kept"
+        if reused:  # asked about room with the call's own settings
+            assert group.asked == [wanted]

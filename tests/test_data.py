@@ -241,6 +241,32 @@ def test_each_rank_streams_an_equal_share_of_every_pass_and_predict_reads_every_
     assert leftovers()[0], "the warm workers stay for the next call, as with a DataLoader"
 
 
+class Passes(pl.LightningModule):
+    """Notes the pass each epoch's train loader began (its shuffle's seed is s + pass); with
+    ``estimate``, reads ``estimated_stepping_batches`` in ``configure_optimizers``, which sets
+    the train data up before Lightning restores a checkpoint's loop state."""
+
+    def __init__(self, estimate: bool = False) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1)
+        self.passes: list[int] = []
+        self.estimate = estimate
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            self.passes.append(self.trainer.train_dataloader._passes - 1)
+        return self.layer(batch["id"].float().unsqueeze(1)).sum()
+
+    def configure_optimizers(self):
+        if self.estimate:
+            assert self.trainer.estimated_stepping_batches > 0
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _shuffled(data) -> RayDataLoader:
+    return RayDataLoader(data, batch_size=16, local_shuffle_buffer_size=32, local_shuffle_seed=5)
+
+
 def test_a_train_loader_made_anew_each_epoch_shuffles_each_epoch_with_its_own_seed(ray_cluster):
     """reload_dataloaders_every_n_epochs=1: the DataModule returns a new RayDataLoader at each
     epoch, whose pass (the shuffle's seed s + n) is its epoch's, not 0 every epoch."""
@@ -248,23 +274,7 @@ def test_a_train_loader_made_anew_each_epoch_shuffles_each_epoch_with_its_own_se
 
     class Reloaded(pl.LightningDataModule):
         def train_dataloader(self):
-            return RayDataLoader(
-                data, batch_size=16, local_shuffle_buffer_size=32, local_shuffle_seed=5
-            )
-
-    class Passes(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.Linear(1, 1)
-            self.passes: list[int] = []
-
-        def training_step(self, batch, batch_idx):
-            if batch_idx == 0:  # the pass this epoch's loader began (its seed is 5 + pass)
-                self.passes.append(self.trainer.train_dataloader._passes - 1)
-            return self.layer(batch["id"].float().unsqueeze(1)).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
+            return _shuffled(data)
 
     model = Passes()
     strategy = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)
@@ -273,6 +283,27 @@ def test_a_train_loader_made_anew_each_epoch_shuffles_each_epoch_with_its_own_se
     )
     trainer.fit(model, datamodule=Reloaded())
     assert model.passes == [0, 1, 2]  # a public attribute: rank 0's comes back
+
+
+def test_a_fit_resumed_from_a_checkpoint_reads_the_passes_of_its_epochs(ray_cluster, tmp_path):
+    """ckpt_path after 2 epochs: epochs 2 and 3 read passes 2 and 3, also when the model's
+    configure_optimizers set the train data up before the checkpoint's loop state came back."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    data = ray.data.from_items([{"id": i} for i in range(64)])
+    strategy = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)
+    kwargs = {**_trainer_kwargs(), "enable_checkpointing": True}
+    first = Passes(estimate=True)
+    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    pl.Trainer(strategy=strategy, max_epochs=2, callbacks=[saving], **kwargs).fit(
+        first, _shuffled(data)
+    )
+    assert first.passes == [0, 1]
+    resumed = Passes(estimate=True)
+    again = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)  # the same warm workers
+    trainer = pl.Trainer(strategy=again, max_epochs=4, **kwargs)
+    trainer.fit(resumed, _shuffled(data), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.passes == [2, 3]
 
 
 def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again(

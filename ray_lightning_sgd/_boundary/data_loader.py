@@ -103,6 +103,8 @@ class RayDataLoader:
         self.num_rows = _optional_count("num_rows", num_rows, minimum=0)
         #: How many passes this process has begun (the n of the shuffle's seed).
         self._passes = 0
+        #: Whether a pass began since :meth:`begin_at_pass` (or ever).
+        self._begun = False
 
     def __iter__(self) -> Iterator[Any]:
         # a generator: Lightning calls iter() to check a loader is iterable, which must not
@@ -111,6 +113,7 @@ class RayDataLoader:
         if seed is not None:
             seed += self._passes
         self._passes += 1
+        self._begun = True
         options: dict[str, Any] = {
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
@@ -145,6 +148,13 @@ class RayDataLoader:
         ``reload_dataloaders_every_n_epochs``) reads that epoch's pass, with its shuffle's seed,
         as the one loader of an uninterrupted fit would."""
         self._passes = passes
+        self._begun = False
+
+    def begins_at_pass(self, passes: int) -> None:
+        """Worker side: as :meth:`begin_at_pass`, unless a pass began since the last one (a
+        loader without a length begins its first pass as Lightning sets it up)."""
+        if not self._begun:
+            self.begin_at_pass(passes)
 
     def __len__(self) -> int:
         rows = self.rows()

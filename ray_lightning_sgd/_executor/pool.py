@@ -85,7 +85,8 @@ def _find_or_start(
                 if reuse
                 and idle.session == session
                 and idle.backend_config == backend_config
-                and idle.worker_group_config == worker_group_config
+                # whatever the call that used them last kept free (see _not_the_size_wanted)
+                and idle.worker_group_config.same_settings(worker_group_config)
             ),
             None,
         )
@@ -98,7 +99,7 @@ def _find_or_start(
         _idle.clear()
     try:
         _shut_down(others, session)
-        if match is not None and _could_be_larger(match.executor):
+        if match is not None and _not_the_size_wanted(match.executor, worker_group_config):
             # a call starts with as many workers as the cluster places now, warm or not
             _shut_down([match], session)
             match = None
@@ -136,14 +137,28 @@ def _find_or_start(
     return executor, False
 
 
-def _could_be_larger(executor: BackendExecutor) -> bool:
-    """Whether an idle elastic group that took fewer than its most workers (the cluster was
-    short when it started) would now be placed at a larger size; it logs why it is replaced."""
+def _not_the_size_wanted(executor: BackendExecutor, wanted: WorkerGroupConfig) -> bool:
+    """Whether an idle elastic group is not the size a new group of ``wanted`` would take now:
+    it took fewer than its most workers (the cluster was short when it started) and would now
+    be placed at a larger size, or it leaves the cluster less than the call keeps free (Ray
+    Data's CPU); it logs why it is replaced."""
     group = executor.worker_group
-    if not group.config.elastic:
+    if not wanted.elastic:
         return False
+    if wanted.keep_free:
+        try:
+            totals = ray.cluster_resources()
+        except RayError:
+            totals = None
+        if totals is not None and not wanted.leaves_free(len(group), totals):
+            log.info(
+                "The %d warm workers of %s would leave Ray Data's tasks less than %s of the "
+                "cluster: starting a smaller group",
+                len(group), group.name, dict(wanted.keep_free),
+            )  # fmt: skip
+            return True
     try:
-        room = group.has_room_to_grow()
+        room = group.has_room_to_grow(config=wanted)
     except RayError:  # the cluster did not answer: the warm group is what it has
         log.debug("Could not probe for room beside %s", group.name, exc_info=True)
         return False

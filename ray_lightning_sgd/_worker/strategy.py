@@ -52,6 +52,22 @@ class OnWorkersBase(_Base):
                     callback.resume_inside_epoch(dataloader, trainer)
         return dataloader
 
+    @override
+    def on_train_start(self) -> None:
+        """Runs on each worker. A train RayDataLoader that has not begun a pass yet begins at
+        its epoch's, now that a resumed fit's loop state is restored: a loader set up before
+        that (``trainer.estimated_stepping_batches`` in ``configure_optimizers`` sets up the
+        train data before Lightning restores the checkpoint) was told epoch 0 then."""
+        super().on_train_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None:
+            return
+        processed = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
+        combined = _compat.train_combined_loader(trainer)
+        for loader in [] if combined is None else combined.flattened:
+            if isinstance(loader, RayDataLoader):
+                loader.begins_at_pass(processed)
+
     def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
         """Runs on each worker. A context in which ``Trainer.save_checkpoint`` writes a resume
         checkpoint: one file, written by rank 0, that the driver keeps for restarts."""

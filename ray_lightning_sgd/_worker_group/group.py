@@ -321,8 +321,11 @@ class WorkerGroup:
                 remove_placement_group(placement)  # which ends any actor still in it
         log.debug("Shut down worker group %s", self._name)
 
-    def has_room_to_grow(self, wait_s: float = _PROBE_S) -> bool:
-        """Driver side: whether the cluster would place this elastic group at a larger size now.
+    def has_room_to_grow(
+        self, wait_s: float = _PROBE_S, config: WorkerGroupConfig | None = None
+    ) -> bool:
+        """Driver side: whether the cluster would place this elastic group at a larger size now
+        (with ``config``'s settings: what a call keeps free; the group's own by default).
 
         A started elastic group below its most workers reserves what a larger size would add
         (:func:`start_growth_probe`) and waits up to ``wait_s`` for it, as long as a new group
@@ -330,7 +333,7 @@ class WorkerGroup:
         trial's fixed reservation) has no room to grow.
         """
         self._require(_State.STARTED, "probe for room")
-        config = self._config
+        config = self._config if config is None else config
         if len(self) >= config.num_workers or get_current_placement_group() is not None:
             return False
         probe = start_growth_probe(config, len(self))
