@@ -116,15 +116,39 @@ def test_worker_env_keeps_the_variables_lightning_inherits_that_it_sets(monkeypa
     """worker_env={"CUBLAS_WORKSPACE_CONFIG": ...} (deterministic cuBLAS on GPU workers) wins
     over the driver's environment, which sets the others of Lightning's inherited variables
     and unsets those it lacks."""
+    from ray_lightning_sgd._boundary import payload
+
     monkeypatch.setenv("PL_GLOBAL_SEED", "7")
     monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     worker_env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "OTHER": "x"}
     state = GlobalState.capture(worker_env)
+    monkeypatch.setattr(payload, "_started_with", {})  # the worker started without them
     monkeypatch.setenv("PL_SEED_WORKERS", "1")  # a warm worker's, from an earlier call
     state.restore()
     assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
     assert os.environ.get("PL_GLOBAL_SEED") == "7"
+    assert "PL_SEED_WORKERS" not in os.environ
+
+
+def test_a_workers_own_value_of_an_inherited_variable_stays_unless_the_driver_sets_it(
+    monkeypatch,
+):
+    """CUBLAS_WORKSPACE_CONFIG from the job's runtime_env, the node or a container image: the
+    worker had it before its first call; the driver lacks it, and it stays."""
+    from ray_lightning_sgd._boundary import payload
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    state = GlobalState.capture()
+    monkeypatch.setattr(payload, "_started_with", None)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the worker's own
+    monkeypatch.setenv("PL_GLOBAL_SEED", "3")
+    state.restore()  # the first call snapshots the worker's own values
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")  # set during that call
+    state.restore()
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":16:8"
+    assert os.environ.get("PL_GLOBAL_SEED") == "7", "the driver's value wins"
     assert "PL_SEED_WORKERS" not in os.environ
 
 

@@ -25,6 +25,9 @@ FITTING, VALIDATING, TESTING, PREDICTING = "fit", "validate", "test", "predict"
 
 #: Environment variables of the driver that Lightning's spawned processes inherit and read.
 _INHERITED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
+#: On a worker: its own values of those variables before its first call (set by the job's or
+#: the actor's runtime environment, the node, a container image).
+_started_with: dict[str, str] | None = None
 
 
 class Payload(NamedTuple):
@@ -110,6 +113,12 @@ class GlobalState:
             # as a process of Lightning's ddp, which ran seed_everything itself: the CUDA
             # generators start from the seed (the driver may have no GPU, or other ones)
             torch.cuda.manual_seed_all(self.torch_seed)
+        global _started_with
+        if _started_with is None:
+            _started_with = {key: os.environ[key] for key in _INHERITED_ENV if key in os.environ}
+        # a warm worker's values of an earlier call go; the worker's own stay unless the
+        # driver sets the variable
         for key in _INHERITED_ENV:
             os.environ.pop(key, None)
+        os.environ.update(_started_with)
         os.environ.update(self.env)
