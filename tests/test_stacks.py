@@ -279,6 +279,7 @@ def _checking_inbox(monkeypatch, workers: int) -> tuple[RunInbox, list[int]]:
     monkeypatch.setattr(inbox, "stacks", lambda: [])
     inbox.progress_timeout_s = 30.0
     inbox._run.metadata = []
+    inbox.test_clock = clock  # type: ignore[attr-defined]
     return inbox, asked
 
 
@@ -371,6 +372,41 @@ def test_a_rank_that_only_looks_silent_is_asked_before_the_timeout_fails_the_cal
     inbox._failing_since[8] -= 6.0  # its polls failed for 6 s
     with pytest.raises(WorkerTimeoutError, match="rank 8"):
         inbox._check(inbox._now())
+
+
+def test_the_drivers_busy_time_within_a_ranks_reported_age_is_no_silence(monkeypatch):
+    """A driver callback (or a sent function) blocks the driver for 40 s; rank 1 meanwhile
+    waits for it (rank 0 waits for the driver to take its resume checkpoint). Its next answer
+    says its last progress is 40.5 s old: 0.5 s of it silence, the rest the driver's."""
+    from ray_lightning_sgd.exceptions import WorkerTimeoutError
+
+    inbox, _asked = _checking_inbox(monkeypatch, 2)
+    clock = inbox.test_clock  # type: ignore[attr-defined]
+    progress = ("training", 3, 0.05)
+
+    def answers(age: float) -> None:
+        for rank in (0, 1):
+            inbox._asked.pop(rank, None)
+            mail = Mail("call", {}, {PROGRESS: progress}, {PROGRESS: age if rank else 0.0}, {})
+            inbox._deliver(rank, mail, run_calls=False)
+
+    answers(0.0)
+
+    def blocked_then_answered(timeout_s: float, run_calls: bool) -> None:
+        clock[0] += 40.0  # the driver's callback
+        answers(40.0)  # taken right after it, in the same pump
+
+    monkeypatch.setattr(inbox, "_take_answers", blocked_then_answered)
+    inbox.pump()
+    clock[0] += 0.5
+    monkeypatch.setattr(inbox, "_take_answers", lambda timeout_s, run_calls: answers(40.5))
+    inbox.pump()
+    inbox._check(inbox._now())  # 0.5 s of silence: nothing
+    assert inbox._now() - inbox._progress_at[1] == pytest.approx(0.5)
+    clock[0] += 31.0  # then 31.5 s without progress and with the driver free: a silence
+    monkeypatch.setattr(inbox, "_take_answers", lambda timeout_s, run_calls: answers(71.5))
+    with pytest.raises(WorkerTimeoutError, match="rank 1"):
+        inbox.pump()
 
 
 def test_the_automatic_hang_window_follows_the_steps_not_how_seldom_a_rank_is_asked():

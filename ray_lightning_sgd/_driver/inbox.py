@@ -83,6 +83,11 @@ _UNANSWERED_S = 5.0
 _NEWS_RETRY_S = 1.0
 #: How often the driver looks for ranks silent too long (seconds).
 _CHECK_EVERY_S = 0.5
+#: A pump at least this long is a busy spell of the driver's whose time comes off the ages the
+#: ranks report (shorter ones: at most a few percent of an age, left in it).
+_BUSY_SPELL_S = 0.05
+#: The busy spells kept for that (the latest).
+_BUSY_SPELLS_KEPT = 256
 #: How long the driver waits for the workers' last answers after an attempt succeeded.
 _LAST_ANSWERS_S = 30.0
 #: How long it waits, in all, for a failed attempt's survivors (their mail is a bonus).
@@ -169,6 +174,12 @@ class RunInbox:
         # the driver's own busy time so far: the clock that ranks' silences are measured on
         # runs without it
         self._busy_s = 0.0
+        # its long busy spells (a driver callback, a sent function: wall start and end), and
+        # when the running pump began (None outside one): a rank's reported age spans them
+        self._busy_spells: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=_BUSY_SPELLS_KEPT
+        )
+        self._pump_started: float | None = None
         self._checked_at = 0.0
         # per rank: when the driver last saw it progress (monotonic), and where it was
         self._progress_at: dict[int, float] = {}
@@ -259,11 +270,16 @@ class RunInbox:
         longer than the timeout. What a function sent by a worker raises comes out here."""
         if self._group is None:
             return
-        started = self._wall()
-        self._take_answers(timeout_s=0.0, run_calls=True)
-        # the driver's own work (callbacks, sent functions, large mail) is no rank's silence
-        wall = self._wall()
-        self._busy_s += wall - started
+        started = self._pump_started = self._wall()
+        try:
+            self._take_answers(timeout_s=0.0, run_calls=True)
+        finally:
+            self._pump_started = None
+            # the driver's own work (callbacks, sent functions, large mail) is no rank's silence
+            wall = self._wall()
+            self._busy_s += wall - started
+            if wall - started >= _BUSY_SPELL_S:
+                self._busy_spells.append((started, wall))
         now = self._now()
         for rank in [r for r in self._ask_news_again if r not in self._asked]:
             self._ask_news_again.discard(rank)  # the poll's answer came: news from now on
@@ -301,6 +317,21 @@ class RunInbox:
     def _now(self) -> float:
         """The clock of ranks' silences: monotonic time, less the driver's own busy time."""
         return self._wall() - self._busy_s
+
+    def _busy_free(self, age_s: float = 0.0) -> float:
+        """On the clock of ranks' silences: the moment ``age_s`` ago (an age a worker measured
+        in real time). The driver's busy time after that moment comes off the age: a rank that
+        waited for the driver (its resume checkpoint taken, a driver callback) was not silent.
+        Inside a pump, the pump so far counts as busy."""
+        wall = self._wall()
+        then = wall - age_s
+        busy = self._busy_s  # up to the last pump's end
+        if self._pump_started is not None:
+            busy += wall - self._pump_started
+            then += max(0.0, wall - max(then, self._pump_started))
+        for start, end in self._busy_spells:
+            then += max(0.0, min(end, wall) - max(start, wall - age_s))
+        return then - busy
 
     def finish(self) -> None:
         """Driver side: the attempt succeeded; takes every worker's last mail (output, events,
@@ -373,7 +404,7 @@ class RunInbox:
 
     def _deliver(self, rank: int, mail: Mail, run_calls: bool) -> None:
         # an answer shows the rank as it is now, even before its call began there
-        self._answered_at[rank] = self._now()
+        self._answered_at[rank] = self._busy_free()
         self._failing_since.pop(rank, None)
         if mail.call_id != self._call_id:
             return  # a warm worker's previous call, or this one not yet begun
@@ -390,9 +421,8 @@ class RunInbox:
             self._acknowledged.setdefault(rank, {})[SIGTERM_NOTICE] = mail.sequences[SIGTERM_NOTICE]
             self._ask_now(rank)
         if PROGRESS in mail.latest:  # a new report since the last poll
-            # its age when the worker answered: an answer the driver takes late (it was busy)
-            # must not move the rank's progress later than it was
-            at = self._now() - mail.ages[PROGRESS]
+            # its age when the worker answered, less the driver's busy time within it
+            at = self._busy_free(mail.ages[PROGRESS])
             stage, step, *longest = mail.latest[PROGRESS]
             if longest:
                 self._longest_wait = max(self._longest_wait, longest[0])
