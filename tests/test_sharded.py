@@ -3,6 +3,7 @@ Lightning's own ModelParallelStrategy and against RaySGDStrategy; RayFSDPStrateg
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import os
@@ -255,6 +256,13 @@ def test_fsdp_takes_fsdp_precision_plugins_and_fsdp_arguments():
     assert strategy.precision_plugin.precision == "bf16-mixed"
     with pytest.raises(ConfigurationError, match="unknown argument bucket_cap_mb"):
         RayFSDPStrategy(num_workers=2, use_gpu=True, bucket_cap_mb=10)
+    # Lightning's FSDPStrategy sets use_orig_params=True when it is not given: an explicit
+    # False is passed on (not dropped as torch's default), and the signature shows True
+    off = RayFSDPStrategy(num_workers=2, use_gpu=True, use_orig_params=False)
+    assert off.kwargs["use_orig_params"] is False
+    assert RayFSDPStrategy(num_workers=2, use_gpu=True).kwargs["use_orig_params"] is True
+    shown = inspect.signature(RayFSDPStrategy).parameters["use_orig_params"].default
+    assert shown is True
 
 
 def test_sharded_strategies_refuse_a_remote_checkpoint_storage():

@@ -231,6 +231,14 @@ def type_hints(function: Callable[..., Any]) -> dict[str, Any]:
         return {}
 
 
+#: Arguments of a module wrapper that the Lightning strategy sets itself when they are not
+#: given (not the wrapper's own default): their default here, so that the other value, given,
+#: is passed on, and LightningCLI shows what a run uses.
+_LIGHTNING_SETS: dict[str, dict[str, Any]] = {
+    "FSDPStrategy": {"use_orig_params": True},  # its kwargs.setdefault("use_orig_params", True)
+}
+
+
 def _defaults(function: Callable[..., Any]) -> dict[str, Any]:
     return {
         name: p.default
@@ -258,6 +266,7 @@ def check_strategy_kwargs(
     defaults = {
         **(_defaults(vars(module)["__init__"]) if module is not None else {}),
         **_defaults(vars(strategy)["__init__"]),
+        **_LIGHTNING_SETS.get(strategy.__name__, {}),
     }
     kwargs = {key: value for key, value in kwargs.items() if not _is_default(value, key, defaults)}
     params = {p.name: p for p in passed_on(strategy, module)}
@@ -375,7 +384,11 @@ def passed_on(strategy: type, module: type | None) -> tuple[inspect.Parameter, .
             if variadic or left_out or param.name in passed:
                 continue
             annotation = hints.get(param.name, Any)
-            passed[param.name] = param.replace(kind=param.KEYWORD_ONLY, annotation=annotation)
+            param = param.replace(kind=param.KEYWORD_ONLY, annotation=annotation)
+            sets = _LIGHTNING_SETS.get(strategy.__name__, {})
+            if param.name in sets:
+                param = param.replace(default=sets[param.name])
+            passed[param.name] = param
     return tuple(passed.values())
 
 
