@@ -15,7 +15,7 @@ import ray
 from ray_lightning_sgd._boundary.channels import PROGRESS, TIMED_STEPS
 from ray_lightning_sgd._driver.inbox import RunInbox
 from ray_lightning_sgd._driver.run import Run
-from ray_lightning_sgd._driver.stacks import RankStack, report
+from ray_lightning_sgd._driver.stacks import CALL_ENDED, RankStack, report
 from ray_lightning_sgd._driver.stragglers import StragglerWatch
 from ray_lightning_sgd._worker_group.outbox import Mail
 from ray_lightning_sgd._worker_group.stacks import ThreadStack, stack_of
@@ -126,6 +126,11 @@ def test_the_report_says_which_ranks_wait_in_a_collective_and_which_do_not():
     assert "rank 0 of 3 (node a); last progress: training 41; in hook training_step; " in text
     assert "waiting in all_gather; your code: model.py:3 in step" in text
     assert "(no stack: no answer within 10 s)" in text
+    # a rank that returned from its call while rank 0 waits in a collective it never called
+    ended = [stacks[0], RankStack(1, "rank 1 of 2 (node b)", ("training", 40), None, CALL_ENDED)]
+    text = report(ended, "No rank has made progress.")
+    assert "ranks whose call has ended: 1 (the others may wait for these" in text
+    assert "gave no stack" not in text
 
 
 def _watch(*ranks: tuple[int, float, float]) -> StragglerWatch:

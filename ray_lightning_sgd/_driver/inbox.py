@@ -56,7 +56,7 @@ from ray_lightning_sgd._boundary.channels import (
 from ray_lightning_sgd._driver.output import OutputPrinter
 from ray_lightning_sgd._driver.replay import DriverReplay
 from ray_lightning_sgd._driver.run import Run
-from ray_lightning_sgd._driver.stacks import RankStack, report
+from ray_lightning_sgd._driver.stacks import CALL_ENDED, RankStack, report
 from ray_lightning_sgd._driver.stragglers import StragglerWatch
 from ray_lightning_sgd._worker_group.group import WorkerGroup
 from ray_lightning_sgd._worker_group.outbox import Mail
@@ -257,7 +257,7 @@ class RunInbox:
             if ref in answered:
                 try:
                     stack = ray.get(ref)
-                    missing = "" if stack is not None else "no call runs there"
+                    missing = "" if stack is not None else CALL_ENDED
                 except ray.exceptions.RayError as err:
                     missing = f"the worker is lost ({type(err).__name__})"
             where = _rank_on_node(self._run.metadata, rank)

@@ -50,11 +50,17 @@ class RankStack:
         return f"{head}; {'; '.join(notes)}\n{self.stack.text.rstrip()}"
 
 
+#: Why a rank gave no stack when its worker answered that no call runs there: its call ended.
+CALL_ENDED = "no call runs there"
+
+
 def report(stacks: list[RankStack], why: str) -> str:
-    """Every rank's stack under a summary: which ranks wait in a collective, and which do not."""
+    """Every rank's stack under a summary: which ranks wait in a collective, which do not, and
+    which ended their call (a collective the others wait in may be one these never called)."""
     waiting = [s.rank for s in stacks if s.in_collective]
     elsewhere = [s.rank for s in stacks if s.stack is not None and not s.in_collective]
-    unknown = [s.rank for s in stacks if s.stack is None]
+    ended = [s.rank for s in stacks if s.stack is None and s.missing == CALL_ENDED]
+    unknown = [s.rank for s in stacks if s.stack is None and s.missing != CALL_ENDED]
     lines = [why]
     if waiting:
         lines.append(f"ranks waiting in a collective: {_ranks(waiting)}")
@@ -72,6 +78,15 @@ def report(stacks: list[RankStack], why: str) -> str:
         lines.append(
             f"ranks in no collective: {_ranks(elsewhere)}"
             + (" (the others wait for these: look there first)" if waiting else "")
+        )
+    if ended:
+        lines.append(
+            f"ranks whose call has ended: {_ranks(ended)}"
+            + (
+                " (the others may wait for these in a collective they never called)"
+                if waiting
+                else ""
+            )
         )
     if unknown:
         lines.append(f"ranks that gave no stack: {_ranks(unknown)}")
