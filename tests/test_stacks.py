@@ -414,6 +414,36 @@ def test_the_drivers_busy_time_within_a_ranks_reported_age_is_no_silence(monkeyp
         inbox.pump()
 
 
+def test_sigusr1_reports_at_once_while_the_driver_is_blocked_in_a_driver_callback(
+    monkeypatch, capsys
+):
+    """The report comes from a thread of its own, with the driver's own stack: no pump runs
+    while a driver callback blocks the main thread."""
+    from ray_lightning_sgd._driver import launcher
+
+    inbox = RunInbox(None, None, Run())
+    monkeypatch.setattr(inbox, "stacks", lambda: [])
+    printed = threading.Event()
+    real_print = inbox.print_stacks
+
+    def print_then_tell() -> None:
+        real_print()
+        printed.set()
+
+    monkeypatch.setattr(inbox, "print_stacks", print_then_tell)
+
+    def a_blocking_driver_callback() -> None:
+        inbox._pump_started = inbox._wall() - 3.0  # the pump that called it, 3 s ago
+        launcher._want_stacks(inbox)  # what the SIGUSR1 handler does
+        assert printed.wait(10), "no report while the main thread is blocked"
+
+    a_blocking_driver_callback()
+    err = capsys.readouterr().err
+    assert "Every rank's stack (SIGUSR1):" in err
+    assert "The driver itself has been busy for 3 s" in err
+    assert "in a_blocking_driver_callback" in err
+
+
 def test_the_automatic_hang_window_follows_the_steps_not_how_seldom_a_rank_is_asked():
     """In a group of 1001 a rank but rank 0 is asked every 100 s: the waits it reports are its
     steps' (50 ms), and the window stays at its floor, not 20 x 100 s (past the process group's

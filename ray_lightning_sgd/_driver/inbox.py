@@ -28,7 +28,7 @@ The driver's own time in callbacks does not count as any rank's silence. The ans
   rank's stack is logged once (:mod:`.stacks`).
 
 Every rank's stack is also there on demand: :meth:`RunInbox.stacks` (``worker_stacks()`` of the
-strategy) and, printed to stderr, SIGUSR1 to the driver (:attr:`RunInbox.stacks_wanted`).
+strategy) and, printed to stderr, SIGUSR1 to the driver (:meth:`RunInbox.print_stacks`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ import heapq
 import logging
 import math
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -83,6 +85,8 @@ _UNANSWERED_S = 5.0
 _NEWS_RETRY_S = 1.0
 #: How often the driver looks for ranks silent too long (seconds).
 _CHECK_EVERY_S = 0.5
+#: A pump running this long when SIGUSR1 comes: the report shows the driver's own stack too.
+_DRIVER_BUSY_SHOWN_S = 1.0
 #: A pump at least this long is a busy spell of the driver's whose time comes off the ages the
 #: ranks report (shorter ones: at most a few percent of an age, left in it).
 _BUSY_SPELL_S = 0.05
@@ -142,8 +146,6 @@ class RunInbox:
         self.replay = replay
         self.progress_timeout_s = progress_timeout_s
         self.hang_report_after_s = hang_report_after_s
-        #: Set (by the driver's SIGUSR1 handler) to have the next pump print every stack.
-        self.stacks_wanted = False
         # the longest wait between two progress reports of a rank (as the ranks measure them),
         # and whether the hang report was logged since the last progress
         self._longest_wait = 0.0
@@ -264,6 +266,21 @@ class RunInbox:
             stacks.append(RankStack(rank, where, self._last_at.get(rank), stack, missing))
         return stacks
 
+    def print_stacks(self) -> None:
+        """Driver side, any thread (SIGUSR1 starts one): prints every rank's stack to stderr,
+        and the driver's own main thread's when it has been busy for a while (a driver callback
+        or a function a worker sent: no pump runs then)."""
+        why = "Every rank's stack (SIGUSR1):"
+        started = self._pump_started
+        if started is not None and self._wall() - started >= _DRIVER_BUSY_SHOWN_S:
+            frame = sys._current_frames().get(threading.main_thread().ident or -1)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else ""
+            why += (
+                f"\nThe driver itself has been busy for {self._wall() - started:.0f} s (a "
+                f"driver callback, or a function a worker sent), at:\n{where.rstrip()}"
+            )
+        print(report(self.stacks(), why), file=sys.stderr, flush=True)
+
     def pump(self) -> None:
         """Driver side, while the workers run: takes the answers that arrived, asks again those
         whose turn it is, and raises :class:`WorkerTimeoutError` if a rank has gone quiet for
@@ -303,9 +320,6 @@ class RunInbox:
                 self._asked[rank] = self._ask(rank)
             # each rank keeps its place in the spread, unless the driver fell behind
             heapq.heappush(self._next_ask, (max(due + self._intervals[rank > 0], wall), rank))
-        if self.stacks_wanted:
-            self.stacks_wanted = False
-            print(report(self.stacks(), "Every rank's stack (SIGUSR1):"), file=sys.stderr)
         if now - self._checked_at >= _CHECK_EVERY_S:
             self._checked_at = now
             self._check(now)

@@ -19,6 +19,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -488,9 +489,11 @@ def _inbox_for(call: _Call, strategy: StrategyView, run: Run, run_id: str) -> Ru
 
 
 def _want_stacks(inbox: RunInbox | None) -> None:
-    """Driver side, in the SIGUSR1 handler: the inbox's next pump prints every rank's stack."""
+    """Driver side, in the SIGUSR1 handler: a thread of its own prints every rank's stack (the
+    main thread may be blocked in a driver callback: no pump would print it)."""
     if inbox is not None:
-        inbox.stacks_wanted = True
+        name = "ray_lightning_sgd-stacks"
+        threading.Thread(target=inbox.print_stacks, name=name, daemon=True).start()
 
 
 def _driver_code() -> code.DriverCode:

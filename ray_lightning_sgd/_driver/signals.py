@@ -80,8 +80,8 @@ def _from_ray(handler: Callable[..., Any]) -> bool:
 
 @contextlib.contextmanager
 def sigusr1_calls(action: Callable[[], None]) -> Iterator[None]:
-    """Driver side: SIGUSR1 during a launch calls ``action`` (which only sets a flag: the
-    launch's own loop prints every rank's stack); a handler the user installed runs too. Only
+    """Driver side: SIGUSR1 during a launch calls ``action`` (which only starts a thread: that
+    thread prints every rank's stack); a handler the user installed runs too. Only
     the main thread can install handlers, and only where the signal exists."""
     number = getattr(signal, "SIGUSR1", None)
     if number is None or threading.current_thread() is not threading.main_thread():
