@@ -131,6 +131,13 @@ def test_the_report_says_which_ranks_wait_in_a_collective_and_which_do_not():
     text = report(ended, "No rank has made progress.")
     assert "ranks whose call has ended: 1 (the others may wait for these" in text
     assert "gave no stack" not in text
+    # one whose call has not begun (its payload still on its way): no "ended" for it
+    from ray_lightning_sgd._driver.inbox import _no_call
+
+    starting = [stacks[0], RankStack(1, "rank 1 of 2", None, None, _no_call(ended=False))]
+    text = report(starting, "No rank has made progress.")
+    assert "ranks that gave no stack: 1" in text and "ended" not in text
+    assert "no call runs there yet" in text
 
 
 def _watch(*ranks: tuple[int, float, float]) -> StragglerWatch:
@@ -382,36 +389,45 @@ def test_a_rank_that_only_looks_silent_is_asked_before_the_timeout_fails_the_cal
 def test_the_drivers_busy_time_within_a_ranks_reported_age_is_no_silence(monkeypatch):
     """A driver callback (or a sent function) blocks the driver for 40 s; rank 1 meanwhile
     waits for it (rank 0 waits for the driver to take its resume checkpoint). Its next answer
-    says its last progress is 40.5 s old: 0.5 s of it silence, the rest the driver's."""
+    says its last progress is 40.5 s old: 0.5 s of it silence, the rest the driver's. A rank
+    that really went silent before the driver's busy spell is still caught in time."""
     from ray_lightning_sgd.exceptions import WorkerTimeoutError
 
-    inbox, _asked = _checking_inbox(monkeypatch, 2)
+    inbox, _asked = _checking_inbox(monkeypatch, 3)
     clock = inbox.test_clock  # type: ignore[attr-defined]
     progress = ("training", 3, 0.05)
 
-    def answers(age: float) -> None:
-        for rank in (0, 1):
-            inbox._asked.pop(rank, None)
-            mail = Mail("call", {}, {PROGRESS: progress}, {PROGRESS: age if rank else 0.0}, {})
-            inbox._deliver(rank, mail, run_calls=False)
+    def answer(rank: int, age: float) -> None:
+        inbox._asked.pop(rank, None)
+        mail = Mail("call", {}, {PROGRESS: progress}, {PROGRESS: age}, {})
+        inbox._deliver(rank, mail, run_calls=False)
 
-    answers(0.0)
+    def pump(*answers: tuple[int, float], blocked_s: float = 0.0) -> None:
+        """One pump: the answers taken as it starts; rank 0's mail first, whose replay blocks
+        the driver for ``blocked_s``, then the others'."""
 
-    def blocked_then_answered(timeout_s: float, run_calls: bool) -> None:
-        clock[0] += 40.0  # the driver's callback
-        answers(40.0)  # taken right after it, in the same pump
+        def take(timeout_s: float, run_calls: bool) -> None:
+            answer(0, 0.0)
+            clock[0] += blocked_s
+            for rank, age in answers:
+                answer(rank, age)
 
-    monkeypatch.setattr(inbox, "_take_answers", blocked_then_answered)
-    inbox.pump()
-    clock[0] += 0.5
-    monkeypatch.setattr(inbox, "_take_answers", lambda timeout_s, run_calls: answers(40.5))
-    inbox.pump()
-    inbox._check(inbox._now())  # 0.5 s of silence: nothing
-    assert inbox._now() - inbox._progress_at[1] == pytest.approx(0.5)
-    clock[0] += 31.0  # then 31.5 s without progress and with the driver free: a silence
-    monkeypatch.setattr(inbox, "_take_answers", lambda timeout_s, run_calls: answers(71.5))
-    with pytest.raises(WorkerTimeoutError, match="rank 1"):
+        monkeypatch.setattr(inbox, "_take_answers", take)
         inbox.pump()
+
+    pump((1, 0.0), (2, 0.0))  # at 1000
+    pump(blocked_s=40.0)  # the callback: the driver is busy until 1040
+    clock[0] += 0.5
+    pump((1, 40.5), (2, 40.5))  # both waited for the driver: 0.5 s of silence each
+    assert inbox._now() - inbox._progress_at[1] == pytest.approx(0.5)
+    assert inbox._now() - inbox._progress_at[2] == pytest.approx(0.5)
+    # rank 2 hangs now; 25 s later its answer comes in a pump whose callback blocks 25 s
+    clock[0] += 25.0
+    pump((1, 0.0), (2, 25.0), blocked_s=25.0)
+    assert inbox._now() - inbox._progress_at[2] == pytest.approx(25.0)  # not hidden by it
+    clock[0] += 10.0  # 35 s of silence outside the driver's busy spells: past the timeout
+    with pytest.raises(WorkerTimeoutError, match="rank 2"):
+        pump((1, 0.0), (2, 60.0))
 
 
 def test_sigusr1_reports_at_once_while_the_driver_is_blocked_in_a_driver_callback(
@@ -442,6 +458,10 @@ def test_sigusr1_reports_at_once_while_the_driver_is_blocked_in_a_driver_callbac
     assert "Every rank's stack (SIGUSR1):" in err
     assert "The driver itself has been busy for 3 s" in err
     assert "in a_blocking_driver_callback" in err
+    inbox._group = None  # between attempts (or while the workers start): said so
+    inbox._pump_started = None
+    real_print()
+    assert "no attempt runs now" in capsys.readouterr().err
 
 
 def test_the_automatic_hang_window_follows_the_steps_not_how_seldom_a_rank_is_asked():

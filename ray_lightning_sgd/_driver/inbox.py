@@ -182,6 +182,7 @@ class RunInbox:
             maxlen=_BUSY_SPELLS_KEPT
         )
         self._pump_started: float | None = None
+        self._printing = threading.Lock()
         self._checked_at = 0.0
         # per rank: when the driver last saw it progress (monotonic), and where it was
         self._progress_at: dict[int, float] = {}
@@ -259,7 +260,7 @@ class RunInbox:
             if ref in answered:
                 try:
                     stack = ray.get(ref)
-                    missing = "" if stack is not None else CALL_ENDED
+                    missing = "" if stack is not None else _no_call(rank in self._done)
                 except ray.exceptions.RayError as err:
                     missing = f"the worker is lost ({type(err).__name__})"
             where = _rank_on_node(self._run.metadata, rank)
@@ -267,6 +268,16 @@ class RunInbox:
         return stacks
 
     def print_stacks(self) -> None:
+        """Driver side, any thread: :meth:`_print_stacks`, one report at a time (a burst of
+        SIGUSR1 gives one)."""
+        if not self._printing.acquire(blocking=False):
+            return
+        try:
+            self._print_stacks()
+        finally:
+            self._printing.release()
+
+    def _print_stacks(self) -> None:
         """Driver side, any thread (SIGUSR1 starts one): prints every rank's stack to stderr,
         and the driver's own main thread's when it has been busy for a while (a driver callback
         or a function a worker sent: no pump runs then)."""
@@ -279,6 +290,13 @@ class RunInbox:
                 f"\nThe driver itself has been busy for {self._wall() - started:.0f} s (a "
                 f"driver callback, or a function a worker sent), at:\n{where.rstrip()}"
             )
+        if self._group is None:
+            why += (
+                " no attempt runs now (its workers are starting, or the run is between "
+                "attempts); ask again in a moment"
+            )
+            print(why, file=sys.stderr, flush=True)
+            return
         print(report(self.stacks(), why), file=sys.stderr, flush=True)
 
     def pump(self) -> None:
@@ -333,19 +351,17 @@ class RunInbox:
         return self._wall() - self._busy_s
 
     def _busy_free(self, age_s: float = 0.0) -> float:
-        """On the clock of ranks' silences: the moment ``age_s`` ago (an age a worker measured
-        in real time). The driver's busy time after that moment comes off the age: a rank that
-        waited for the driver (its resume checkpoint taken, a driver callback) was not silent.
-        Inside a pump, the pump so far counts as busy."""
-        wall = self._wall()
-        then = wall - age_s
-        busy = self._busy_s  # up to the last pump's end
-        if self._pump_started is not None:
-            busy += wall - self._pump_started
-            then += max(0.0, wall - max(then, self._pump_started))
-        for start, end in self._busy_spells:
-            then += max(0.0, min(end, wall) - max(start, wall - age_s))
-        return then - busy
+        """On the clock of ranks' silences: the moment ``age_s`` before the answers were taken
+        (an age a worker measured in real time, by then). Inside a pump that is the pump's
+        start: it takes every answer it handles at once, before any of them runs a callback.
+        The driver's busy spells after that moment come off the age: a rank that waited for
+        the driver (its resume checkpoint taken, a driver callback) was not silent."""
+        taken = self._wall() if self._pump_started is None else self._pump_started
+        then = taken - age_s
+        credit = sum(
+            max(0.0, min(end, taken) - max(start, then)) for start, end in self._busy_spells
+        )
+        return then + credit - self._busy_s  # the busy time up to the last pump's end
 
     def finish(self) -> None:
         """Driver side: the attempt succeeded; takes every worker's last mail (output, events,
@@ -394,7 +410,7 @@ class RunInbox:
     def _ask(self, rank: int) -> ray.ObjectRef:
         if self._group is None:
             raise RuntimeError("RunInbox asks the workers of an attempt only")
-        self._asked_at[rank] = self._now()
+        self._asked_at[rank] = self._busy_free()
         return self._group.poll_async(rank, dict(self._acknowledged.get(rank, {})))
 
     def _take_answers(self, timeout_s: float, run_calls: bool) -> None:
@@ -412,7 +428,7 @@ class RunInbox:
             except ray.exceptions.RayError:
                 # a lost worker: the wait for the call's results reports it; polls that fail
                 # for long count as unanswered ones for a silence
-                self._failing_since.setdefault(rank, self._now())
+                self._failing_since.setdefault(rank, self._busy_free())
                 continue
             self._deliver(rank, mail, run_calls)
 
@@ -526,3 +542,11 @@ def _rank_on_node(metadata: list[WorkerMetadata], rank: int) -> str:
 
 
 __all__ = ["OTHER_RANKS_INTERVAL_S", "PUMP_INTERVAL_S", "RunInbox"]
+
+
+def _no_call(ended: bool) -> str:
+    """Why a rank's worker gave no stack though it answered: its call ended (a poll of this
+    attempt said so), or none runs there yet."""
+    if ended:
+        return CALL_ENDED
+    return "no call runs there yet (its arguments may still be arriving, or the worker is busy)"
