@@ -292,7 +292,7 @@ def test_a_fit_resumed_from_a_checkpoint_reads_the_passes_of_its_epochs(ray_clus
 
     data = ray.data.from_items([{"id": i} for i in range(64)])
     strategy = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)
-    kwargs = {**_trainer_kwargs(), "enable_checkpointing": True}
+    kwargs = {**_trainer_kwargs(), "enable_checkpointing": True, "default_root_dir": tmp_path}
     first = Passes(estimate=True)
     saving = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     pl.Trainer(strategy=strategy, max_epochs=2, callbacks=[saving], **kwargs).fit(
