@@ -21,7 +21,7 @@ from typing import Any
 from ray_lightning_sgd._backend.torch import TorchConfig
 from ray_lightning_sgd._boundary.environment import DEBUG_ENV
 from ray_lightning_sgd._compat.flavour import Flavour
-from ray_lightning_sgd._worker_group.config import flag
+from ray_lightning_sgd._worker_group.config import LEAST_RESOURCE, flag, resource_problem
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 # Lightning strategy arguments that these strategies decide themselves, and what to use instead
@@ -139,10 +139,6 @@ def worker_sizes(num_workers: Any, keep_global_batch_size: bool) -> tuple[int, t
     return high, sizes if len(sizes) > 1 else ()
 
 
-#: The least amount of a resource that Ray reserves (its resource precision).
-_LEAST_RESOURCE = 0.0001
-
-
 def worker_env(worker_env: Any, debug: bool = False, use_gpu: bool = False) -> Mapping[str, str]:
     """``worker_env`` as a dict (WorkerGroupConfig checks the names and values), over the
     variables ``debug`` sets on every worker (those ``worker_env`` sets win)."""
@@ -179,9 +175,9 @@ def resources(
             raise ConfigurationError(
                 f"num_cpus_per_worker must be a number > 0, got {num_cpus_per_worker!r}"
             )
-        if not (math.isfinite(num_cpus_per_worker) and num_cpus_per_worker >= _LEAST_RESOURCE):
+        if not (math.isfinite(num_cpus_per_worker) and num_cpus_per_worker >= LEAST_RESOURCE):
             raise ConfigurationError(
-                f"num_cpus_per_worker must be a finite number > 0 (at least {_LEAST_RESOURCE}), "
+                f"num_cpus_per_worker must be a finite number > 0 (at least {LEAST_RESOURCE}), "
                 f"got {num_cpus_per_worker}; for workers without a CPU reservation pass "
                 "resources_per_worker without 'CPU'"
             )
@@ -414,23 +410,12 @@ def check_head_bundle(head_bundle: Any) -> dict[str, float]:
             f"head_bundle must be a dict of Ray resources, got {head_bundle!r}; {fix}"
         )
     for name, amount in head_bundle.items():
-        if not isinstance(name, str) or not name:
-            raise ConfigurationError(
-                f"head_bundle's resource names must be non-empty str, got {name!r}; {fix}"
-            )
+        problem = resource_problem("head_bundle", name, amount)
+        if problem is not None:
+            raise ConfigurationError(f"{problem}; {fix}")
         if name.lower() in ("cpu", "gpu") and name != name.upper():
             raise ConfigurationError(
                 f"head_bundle names {name!r}: Ray's resource is {name.upper()!r} (names are "
                 f"case-sensitive); {fix}"
-            )
-        if (
-            isinstance(amount, bool)
-            or not isinstance(amount, (int, float))
-            or not math.isfinite(amount)
-            or not amount >= 0.0001  # Ray's resource precision
-        ):
-            raise ConfigurationError(
-                f"head_bundle[{name!r}] must be a number of at least 0.0001, got {amount!r}; "
-                "leave the resource out instead of asking for none of it"
             )
     return {name: float(amount) for name, amount in head_bundle.items()}

@@ -39,6 +39,28 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
+#: The least amount of a resource Ray takes (its precision).
+LEAST_RESOURCE = 0.0001
+
+
+def resource_problem(what: str, name: object, amount: object) -> str | None:
+    """Why ``name``: ``amount`` of ``what`` (a dict of Ray resources) is not a resource Ray
+    takes, or None when it is one."""
+    if not isinstance(name, str) or not name:
+        return f"{what} must map resource names (non-empty str) to numbers, got the name {name!r}"
+    if (
+        isinstance(amount, bool)
+        or not isinstance(amount, (int, float))
+        or not math.isfinite(amount)
+        or not amount >= LEAST_RESOURCE
+    ):
+        return (
+            f"{what}[{name!r}] must be a number > 0 (at least {LEAST_RESOURCE:g}), got "
+            f"{amount!r}; leave the resource out instead of asking for none of it"
+        )
+    return None
+
+
 def _env_problem(worker_env: Mapping[Any, Any]) -> str | None:
     """Why ``worker_env`` cannot be set as environment variables, or None when it can."""
     for key, value in worker_env.items():
@@ -118,21 +140,9 @@ class WorkerGroupConfig:
                 "for example {'CPU': 1}"
             )
         for name, amount in self.resources_per_worker.items():
-            if not isinstance(name, str) or not name:
-                raise ConfigurationError(
-                    f"resources_per_worker must map resource names (non-empty str) to numbers, "
-                    f"got the name {name!r}"
-                )
-            if (
-                isinstance(amount, bool)
-                or not isinstance(amount, (int, float))
-                or not math.isfinite(amount)
-                or not amount >= 0.0001  # Ray's resource precision
-            ):
-                raise ConfigurationError(
-                    f"resources_per_worker[{name!r}] must be a number > 0, got {amount!r}; "
-                    "(at least 0.0001); leave the resource out instead of asking for none of it"
-                )
+            problem = resource_problem("resources_per_worker", name, amount)
+            if problem is not None:
+                raise ConfigurationError(problem)
         if self.resources_per_worker.get("GPU", 0) > 1 and self.resources_per_worker["GPU"] % 1:
             raise ConfigurationError(
                 "resources_per_worker['GPU'] above 1 must be a whole number, got "
