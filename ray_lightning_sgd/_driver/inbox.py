@@ -346,16 +346,13 @@ class RunInbox:
         """The clock of the polls' schedule: monotonic time."""
         return time.monotonic()
 
-    def _now(self) -> float:
-        """The clock of ranks' silences: monotonic time, less the driver's own busy time."""
-        return self._wall() - self._busy_s
-
-    def _busy_free(self, age_s: float = 0.0) -> float:
-        """On the clock of ranks' silences: the moment ``age_s`` before the answers were taken
-        (an age a worker measured in real time, by then). Inside a pump that is the pump's
-        start: it takes every answer it handles at once, before any of them runs a callback.
-        The driver's busy spells after that moment come off the age: a rank that waited for
-        the driver (its resume checkpoint taken, a driver callback) was not silent."""
+    def _now(self, age_s: float = 0.0) -> float:
+        """The clock of ranks' silences: monotonic time, less the driver's own busy time; with
+        ``age_s``, the moment that long before the answers were taken (an age a worker measured
+        in real time, by then). Inside a pump that is the pump's start: it takes every answer
+        it handles at once, before any of them runs a callback. The driver's busy spells after
+        that moment come off the age: a rank that waited for the driver (its resume checkpoint
+        taken, a driver callback) was not silent."""
         taken = self._wall() if self._pump_started is None else self._pump_started
         then = taken - age_s
         credit = sum(
@@ -410,7 +407,7 @@ class RunInbox:
     def _ask(self, rank: int) -> ray.ObjectRef:
         if self._group is None:
             raise RuntimeError("RunInbox asks the workers of an attempt only")
-        self._asked_at[rank] = self._busy_free()
+        self._asked_at[rank] = self._now()
         return self._group.poll_async(rank, dict(self._acknowledged.get(rank, {})))
 
     def _take_answers(self, timeout_s: float, run_calls: bool) -> None:
@@ -428,13 +425,13 @@ class RunInbox:
             except ray.exceptions.RayError:
                 # a lost worker: the wait for the call's results reports it; polls that fail
                 # for long count as unanswered ones for a silence
-                self._failing_since.setdefault(rank, self._busy_free())
+                self._failing_since.setdefault(rank, self._now())
                 continue
             self._deliver(rank, mail, run_calls)
 
     def _deliver(self, rank: int, mail: Mail, run_calls: bool) -> None:
         # an answer shows the rank as it is now, even before its call began there
-        self._answered_at[rank] = self._busy_free()
+        self._answered_at[rank] = self._now()
         self._failing_since.pop(rank, None)
         if mail.call_id != self._call_id:
             return  # a warm worker's previous call, or this one not yet begun
@@ -452,7 +449,7 @@ class RunInbox:
             self._ask_now(rank)
         if PROGRESS in mail.latest:  # a new report since the last poll
             # its age when the worker answered, less the driver's busy time within it
-            at = self._busy_free(mail.ages[PROGRESS])
+            at = self._now(mail.ages[PROGRESS])
             stage, step, *longest = mail.latest[PROGRESS]
             if longest:
                 self._longest_wait = max(self._longest_wait, longest[0])
@@ -541,12 +538,12 @@ def _rank_on_node(metadata: list[WorkerMetadata], rank: int) -> str:
     return rank_on_node(rank, metadata[rank] if rank < len(metadata) else None)
 
 
-__all__ = ["OTHER_RANKS_INTERVAL_S", "PUMP_INTERVAL_S", "RunInbox"]
-
-
 def _no_call(ended: bool) -> str:
     """Why a rank's worker gave no stack though it answered: its call ended (a poll of this
     attempt said so), or none runs there yet."""
     if ended:
         return CALL_ENDED
     return "no call runs there yet (its arguments may still be arriving, or the worker is busy)"
+
+
+__all__ = ["OTHER_RANKS_INTERVAL_S", "PUMP_INTERVAL_S", "RunInbox"]
