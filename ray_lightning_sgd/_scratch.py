@@ -63,7 +63,7 @@ def create(suffix: str) -> str:
     while True:
         fd, path = tempfile.mkstemp(prefix=PREFIX, suffix=suffix, dir=folder())
         _lock_shared(fd)
-        if _still_there(fd, path):  # not swept between its creation and the lock
+        if still_there(fd, path):  # not swept between its creation and the lock
             _held[path] = fd
             return path
         os.close(fd)
@@ -80,7 +80,7 @@ def create_folder() -> str:
         except FileNotFoundError:
             continue  # another process's sweep took it before the lock: make another
         _lock_shared(fd)
-        if _still_there(fd, path):
+        if still_there(fd, path):
             _held[path] = fd
             _folders.add(path)
             return path
@@ -96,7 +96,7 @@ def hold_copy(path: str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             fd = os.open(path, os.O_RDONLY)
             _lock_shared(fd)
-            if _still_there(fd, path):
+            if still_there(fd, path):
                 _held[path] = fd
                 return
             os.close(fd)
@@ -141,7 +141,7 @@ def _drop(path: str) -> None:
         _folders.discard(path)
         _remove_released(path)
     else:
-        _remove_unheld(path)
+        remove_unheld(path)
 
 
 def sweep(wait_s: float = 0.0) -> list[str]:
@@ -161,7 +161,7 @@ def sweep(wait_s: float = 0.0) -> list[str]:
         for name in names:
             path = os.path.join(folder(), name)
             if name.startswith(PREFIX) and path not in _held:
-                if _remove_unheld(path):
+                if remove_unheld(path):
                     removed.append(path)
                 else:
                     held = True
@@ -170,7 +170,9 @@ def sweep(wait_s: float = 0.0) -> list[str]:
         time.sleep(0.1)
 
 
-def _remove_unheld(path: str) -> bool:
+def remove_unheld(path: str) -> bool:
+    """Removes ``path`` (a file or folder) unless a process holds a ``flock`` on it; whether it
+    did (the driver's artifacts probes are swept with it too)."""
     is_folder = os.path.isdir(path)
     try:
         # a file for writing: where flock is emulated by POSIX locks (NFS), an exclusive one
@@ -184,7 +186,7 @@ def _remove_unheld(path: str) -> bool:
         os.close(fd)
         return False
     try:
-        if _still_there(fd, path):
+        if still_there(fd, path):
             _remove(path)
             return True
         return False
@@ -210,7 +212,7 @@ def _remove_released(path: str) -> bool:
     return False
 
 
-def _still_there(fd: int, path: str) -> bool:
+def still_there(fd: int, path: str) -> bool:
     """Whether ``path`` still names the file open as ``fd``."""
     try:
         return os.stat(path).st_ino == os.fstat(fd).st_ino

@@ -410,7 +410,7 @@ def test_a_saving_folder_is_held_while_lightning_replaces_the_file_in_it(tmp_pat
     checkpoint = os.path.join(held, "resume.ckpt")
     _atomic_save({"w": torch.ones(3)}, checkpoint)
     _atomic_save({"w": torch.ones(3)}, checkpoint)  # replaced by name
-    assert scratch._remove_unheld(held) is False, "a sweep took a folder a process holds"
+    assert scratch.remove_unheld(held) is False, "a sweep took a folder a process holds"
     assert os.path.exists(checkpoint)
     scratch.release(held)
     assert os.listdir(tmp_path) == []

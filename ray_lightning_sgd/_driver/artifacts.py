@@ -10,8 +10,9 @@ import os
 import uuid
 from typing import TYPE_CHECKING
 
-from ray_lightning_sgd import _files
+from ray_lightning_sgd import _files, _scratch
 from ray_lightning_sgd._boundary.artifacts import Artifacts, local_path
+from ray_lightning_sgd._driver.storage import PROBE_PREFIX
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -19,8 +20,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: How the probe files' names start (hidden: Lightning's and our listings skip them).
-PROBE_PREFIX = ".ray_lightning_sgd-probe-"
 #: The probe files of this process's running calls: path -> the descriptor holding its lock.
 _held: dict[str, int] = {}
 
@@ -68,10 +67,7 @@ def _held_on(fd: int, path: str) -> bool:
     whether it is still the file at ``path``."""
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_SH)
-    try:
-        return os.fstat(fd).st_ino == os.stat(path).st_ino
-    except FileNotFoundError:
-        return False
+    return _scratch.still_there(fd, path)
 
 
 def _sweep(root: str) -> None:
@@ -83,23 +79,10 @@ def _sweep(root: str) -> None:
         return
     for name in names:
         path = os.path.join(root, name)
-        if path in _held:
-            continue  # another call of this process runs: closing a descriptor of it could
-            # drop its lock (where flock is emulated by POSIX locks: NFS)
-        try:
-            # for writing: where flock is emulated by POSIX locks, an exclusive one needs it
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a driver holds it
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                os.unlink(path)
-                log.debug("Removed %s, a probe file of an ended driver", path)
-        except OSError:
-            pass  # held, gone, or no locks on this file system: left alone
-        finally:
-            os.close(fd)
+        # not another call of this process's: closing a descriptor of it could drop its lock
+        # (where flock is emulated by POSIX locks: NFS)
+        if path not in _held and _scratch.remove_unheld(path):
+            log.debug("Removed %s, a probe file of an ended driver", path)
 
 
 def write(files: dict[str, bytes]) -> None:
