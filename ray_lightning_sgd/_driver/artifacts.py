@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from ray_lightning_sgd import _files, _scratch
 from ray_lightning_sgd._boundary.artifacts import Artifacts, local_path
-from ray_lightning_sgd._driver.storage import PROBE_PREFIX
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -20,6 +19,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+#: How the driver's probe files start, here and in a checkpoint storage (hidden: Lightning's
+#: and our listings skip them).
+PROBE_PREFIX = ".ray_lightning_sgd-probe-"
 #: The probe files of this process's running calls: path -> the descriptor holding its lock.
 _held: dict[str, int] = {}
 

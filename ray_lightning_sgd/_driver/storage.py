@@ -14,12 +14,10 @@ import os
 import uuid
 
 from ray_lightning_sgd import _compat, _files
+from ray_lightning_sgd._driver.artifacts import PROBE_PREFIX
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 log = logging.getLogger(__name__)
-
-#: The name the probe file starts with (a hidden file: Lightning and our listings skip it).
-PROBE_PREFIX = ".ray_lightning_sgd-probe-"
 
 
 def resolve(storage: str) -> str:
