@@ -142,19 +142,17 @@ class RayDataLoader:
                 )
         yield from source.iter_torch_batches(**options)
 
-    def begin_at_pass(self, passes: int) -> None:
+    def begin_at_pass(self, passes: int, unless_begun: bool = False) -> None:
         """Worker side: a train loader made for epoch ``passes`` (a fit that resumes there
         after a restart or a resize, a loader reloaded there by
         ``reload_dataloaders_every_n_epochs``) reads that epoch's pass, with its shuffle's seed,
-        as the one loader of an uninterrupted fit would."""
+        as the one loader of an uninterrupted fit would. ``unless_begun``: not when a pass
+        began since the last call (a loader without a length begins its first pass as
+        Lightning sets it up)."""
+        if unless_begun and self._begun:
+            return
         self._passes = passes
         self._begun = False
-
-    def begins_at_pass(self, passes: int) -> None:
-        """Worker side: as :meth:`begin_at_pass`, unless a pass began since the last one (a
-        loader without a length begins its first pass as Lightning sets it up)."""
-        if not self._begun:
-            self.begin_at_pass(passes)
 
     def __len__(self) -> int:
         rows = self.rows()

@@ -66,7 +66,7 @@ class OnWorkersBase(_Base):
         combined = _compat.train_combined_loader(trainer)
         for loader in [] if combined is None else combined.flattened:
             if isinstance(loader, RayDataLoader):
-                loader.begins_at_pass(processed)
+                loader.begin_at_pass(processed, unless_begun=True)
 
     def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
         """Runs on each worker. A context in which ``Trainer.save_checkpoint`` writes a resume
