@@ -359,15 +359,17 @@ def test_a_rank_that_only_looks_silent_is_asked_before_the_timeout_fails_the_cal
     assert asked == [900]
     inbox._asked.pop(900)
     inbox._deliver(900, Mail("call", {}, {}, {PROGRESS: 41.0}, {}), run_calls=False)
-    with pytest.raises(WorkerTimeoutError, match="rank 900"):
-        inbox._check(inbox._now())  # the fresh answer shows it: the call fails
+    # the fresh answer shows it: the call fails; 900 never reported progress, and says so
+    with pytest.raises(WorkerTimeoutError, match=r"rank 900.*, no progress reported since its"):
+        inbox._check(inbox._now())
     # a poll that gets no answer within 5 s counts as silence too
     inbox._progress_at, inbox._answered_at = {0: now, 7: now - 40.0}, {0: now}
     inbox._asked = {7: "poll 7"}
     inbox._asked_at = {7: now - 4.0}
     inbox._check(now)  # 4 s: not yet
     inbox._asked_at = {7: now - 6.0}
-    with pytest.raises(WorkerTimeoutError, match="rank 7"):
+    inbox._last_at[7] = ("training", 12)  # where its last report left it
+    with pytest.raises(WorkerTimeoutError, match=r"rank 7.*, last at training step 12"):
         inbox._check(now)
     # and so does a poll that failed (a worker that cannot be reached)
     inbox._progress_at, inbox._answered_at = {0: now, 8: now - 40.0}, {0: now}

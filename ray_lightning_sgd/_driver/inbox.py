@@ -211,7 +211,7 @@ class RunInbox:
             (asked_at + max(0, rank - 1) * spread, rank) for rank in range(len(group))
         ]
         self._progress_at = dict.fromkeys(range(len(group)), now)
-        self._last_at = dict.fromkeys(range(len(group)), ("start", 0))
+        self._last_at = {}  # a rank's first progress report fills it
         self._acknowledged = {rank: {} for rank in range(len(group))}
         self._hang_reported = False
         self.stragglers = StragglerWatch()
@@ -520,8 +520,12 @@ class RunInbox:
         if not quiet:
             return
         ranks = "; ".join(
-            f"{_rank_on_node(self._run.metadata, rank)} silent for {seconds:.0f}s, last at "
-            f"{self._last_at[rank][0]} step {self._last_at[rank][1]}"
+            f"{_rank_on_node(self._run.metadata, rank)} silent for {seconds:.0f}s, "
+            + (
+                f"last at {self._last_at[rank][0]} step {self._last_at[rank][1]}"
+                if rank in self._last_at
+                else "no progress reported since its attempt began"
+            )
             for rank, seconds in quiet
         )
         stacks = self.stacks()
