@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, _compat
 from ray_lightning_sgd._boundary.data_loader import ray_data
 from ray_lightning_sgd._boundary.datasets import DatasetShard, DatasetSplit
+from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._serialization import pack, unpack
 from ray_lightning_sgd.data import RayDataLoader
 from ray_lightning_sgd.lightning import RayDataModule as LRayDataModule
@@ -43,6 +44,16 @@ from tests.light_functions import scaled
 FILE_ROWS = (301, 250, 170)
 ROWS = sum(FILE_ROWS)
 FEATURES = 8
+
+
+@pytest.fixture
+def cpu_for_ray_data(ray_cluster):
+    """The shared cluster with a CPU for Ray Data's tasks: the idle workers of earlier tests are
+    stopped unless they are two of half a CPU (this module's), which the next test reuses."""
+    for idle in list(pool._idle):
+        config = idle.worker_group_config
+        if config.num_workers > 2 or dict(config.resources_per_worker) != {"CPU": 0.5}:
+            pool.shutdown(config)
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +198,10 @@ def _trainer_kwargs() -> dict:
 
 
 def test_each_rank_streams_an_equal_share_of_every_pass_and_predict_reads_every_row(
-    free_cluster, parquet, tmp_path
+    cpu_for_ray_data, parquet, tmp_path
 ):
-    # free_cluster: no idle warm workers of earlier tests hold the CPUs that Ray Data's tasks
-    # need (Ray 2.52's read_parquet samples the files with tasks as the dataset is made)
+    # no idle warm workers of earlier tests hold the CPUs that Ray Data's tasks need (Ray
+    # 2.52's read_parquet samples the files with tasks as the dataset is made)
     train = ray.data.read_parquet(parquet).map_batches(scaled)
     val = ray.data.from_items(_val_rows())  # a row count Ray Data knows without running it
     _, objects_before = _data_state()  # from_items put the validation rows there
@@ -267,7 +278,9 @@ def _shuffled(data) -> RayDataLoader:
     return RayDataLoader(data, batch_size=16, local_shuffle_buffer_size=32, local_shuffle_seed=5)
 
 
-def test_a_train_loader_made_anew_each_epoch_shuffles_each_epoch_with_its_own_seed(ray_cluster):
+def test_a_train_loader_made_anew_each_epoch_shuffles_each_epoch_with_its_own_seed(
+    cpu_for_ray_data,
+):
     """reload_dataloaders_every_n_epochs=1: the DataModule returns a new RayDataLoader at each
     epoch, whose pass (the shuffle's seed s + n) is its epoch's, not 0 every epoch."""
     data = ray.data.from_items([{"id": i} for i in range(64)])
@@ -285,7 +298,7 @@ def test_a_train_loader_made_anew_each_epoch_shuffles_each_epoch_with_its_own_se
     assert model.passes == [0, 1, 2]  # a public attribute: rank 0's comes back
 
 
-def test_a_fit_resumed_from_a_checkpoint_reads_the_passes_of_its_epochs(ray_cluster, tmp_path):
+def test_a_fit_resumed_from_a_checkpoint_reads_the_passes_of_its_epochs(cpu_for_ray_data, tmp_path):
     """ckpt_path after 2 epochs: epochs 2 and 3 read passes 2 and 3, also when the model's
     configure_optimizers set the train data up before the checkpoint's loop state came back."""
     from pytorch_lightning.callbacks import ModelCheckpoint
