@@ -470,7 +470,16 @@ def fitted(request, tmp_path_factory):
     namespace = request.param
     pl = importlib.import_module(namespace)
     boring = importlib.import_module(f"{namespace}.demos.boring_classes")
+
+    class BeginsAgain(pl.Callback):
+        """Does what the workers' strategy may do as the fit starts: iter() on its fetcher."""
+
+        def on_train_start(self, trainer, pl_module):
+            fetcher = _compat.train_data_fetcher(trainer)
+            trainer.fetcher_began_again = iter(fetcher) is fetcher and fetcher.done is False
+
     trainer = pl.Trainer(
+        callbacks=[BeginsAgain()],
         accelerator="cpu",
         devices=1,
         max_epochs=1,
@@ -568,6 +577,12 @@ def test_lightning_fit_loop_keeps_its_combined_loader_where_expected(fitted):
     assert isinstance(flattened, list) and isinstance(flattened[0], DataLoader), (
         f"{namespace}'s _FitLoop.{attribute} no longer holds the fit's train iterables (a "
         "CombinedLoader's flattened); update _compat.train_combined_loader"
+    )
+    fetcher = _compat.lightning._DATA_FETCHER
+    assert hasattr(fresh.fit_loop, fetcher) and _compat.train_data_fetcher(fresh) is None
+    assert trainer.fetcher_began_again, (  # type: ignore[attr-defined]
+        f"{namespace}'s _FitLoop.{fetcher} no longer holds the fetcher of the fit's train "
+        "batches as the fit starts; update _compat.train_data_fetcher"
     )
 
 

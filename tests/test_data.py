@@ -8,6 +8,7 @@ read and map tasks the cluster's other CPU.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import re
@@ -38,7 +39,7 @@ from ray_lightning_sgd.lightning import RayDataModule as LRayDataModule
 from ray_lightning_sgd.lightning import RaySGDStrategy as LRaySGDStrategy
 from ray_lightning_sgd.pytorch_lightning import RayDataModule
 from tests.conftest import leftovers
-from tests.light_functions import scaled
+from tests.light_functions import scaled, unchanged
 
 #: Rows of each parquet file: uneven, and an odd total (the equal split drops one row a pass).
 FILE_ROWS = (301, 250, 170)
@@ -253,7 +254,7 @@ def test_each_rank_streams_an_equal_share_of_every_pass_and_predict_reads_every_
 
 
 class Passes(pl.LightningModule):
-    """Notes the pass each epoch's train loader began (its shuffle's seed is s + pass); with
+    """Notes the passes its batches came from, in turn (a pass's shuffle seed is s + pass); with
     ``estimate``, reads ``estimated_stepping_batches`` in ``configure_optimizers``, which sets
     the train data up before Lightning restores a checkpoint's loop state."""
 
@@ -264,8 +265,9 @@ class Passes(pl.LightningModule):
         self.estimate = estimate
 
     def training_step(self, batch, batch_idx):
-        if batch_idx == 0:
-            self.passes.append(self.trainer.train_dataloader._passes - 1)
+        reading = self.trainer.train_dataloader.reading
+        if not self.passes or self.passes[-1] != reading:
+            self.passes.append(reading)
         return self.layer(batch["id"].float().unsqueeze(1)).sum()
 
     def configure_optimizers(self):
@@ -282,8 +284,10 @@ def test_a_train_loader_made_anew_each_epoch_shuffles_each_epoch_with_its_own_se
     cpu_for_ray_data,
 ):
     """reload_dataloaders_every_n_epochs=1: the DataModule returns a new RayDataLoader at each
-    epoch, whose pass (the shuffle's seed s + n) is its epoch's, not 0 every epoch."""
-    data = ray.data.from_items([{"id": i} for i in range(64)])
+    epoch, whose pass (the shuffle's seed s + n) is its epoch's, not 0 every epoch. Without a
+    length, where Lightning begins a pass twice an epoch (once to prefetch a batch as it sets
+    the data up, again as the epoch starts): the epoch's both times, not the next epoch's."""
+    data = ray.data.from_items([{"id": i} for i in range(64)]).map_batches(unchanged)
 
     class Reloaded(pl.LightningDataModule):
         def train_dataloader(self):
@@ -300,21 +304,24 @@ def test_a_train_loader_made_anew_each_epoch_shuffles_each_epoch_with_its_own_se
 
 def test_a_fit_resumed_from_a_checkpoint_reads_the_passes_of_its_epochs(cpu_for_ray_data, tmp_path):
     """ckpt_path after 2 epochs: epochs 2 and 3 read passes 2 and 3, also when the model's
-    configure_optimizers set the train data up before the checkpoint's loop state came back."""
+    configure_optimizers set the train data up before the checkpoint's loop state came back;
+    without a length (max_steps for the schedule), when the loader began pass 0 then, to
+    prefetch a batch. (Without a length Lightning resumes the end of epoch 1 as the rest of
+    that epoch, which reads pass 2 here: the pass of the epoch the restored loop counts.)"""
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    data = ray.data.from_items([{"id": i} for i in range(64)])
+    data = ray.data.from_items([{"id": i} for i in range(64)]).map_batches(unchanged)
     strategy = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)
     kwargs = {**_trainer_kwargs(), "enable_checkpointing": True, "default_root_dir": tmp_path}
     first = Passes(estimate=True)
     saving = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    pl.Trainer(strategy=strategy, max_epochs=2, callbacks=[saving], **kwargs).fit(
+    pl.Trainer(strategy=strategy, max_epochs=2, max_steps=4, callbacks=[saving], **kwargs).fit(
         first, _shuffled(data)
     )
     assert first.passes == [0, 1]
     resumed = Passes(estimate=True)
     again = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)  # the same warm workers
-    trainer = pl.Trainer(strategy=again, max_epochs=4, **kwargs)
+    trainer = pl.Trainer(strategy=again, max_epochs=4, max_steps=8, **kwargs)
     trainer.fit(resumed, _shuffled(data), ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.passes == [2, 3]
 
@@ -354,13 +361,16 @@ def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again
     _assert_nothing_of_the_calls_left(objects_before)
 
 
-def test_workers_that_take_every_cpu_are_refused_before_any_actor_starts(ray_cluster):
+def test_workers_that_leave_less_than_a_cpu_are_refused_before_any_actor_starts(ray_cluster):
+    """Every CPU taken, or half of one left: a read task asks a whole CPU, and none could run."""
     before = leftovers()  # idle warm workers of earlier tests
-    trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=1, **_trainer_kwargs())
-    with pytest.raises(
-        ConfigurationError, match=r"take 2 of the cluster's 2 CPUs.*num_cpus_per_worker"
-    ):
-        trainer.fit(Recorder("."), RayDataLoader(ray.data.range(8), batch_size=4))
+    for workers, cpus, taken in ((2, 1.0, r"take 2 of"), (3, 0.5, r"take 1\.5 of")):
+        strategy = RaySGDStrategy(num_workers=workers, num_cpus_per_worker=cpus)
+        trainer = pl.Trainer(strategy=strategy, max_epochs=1, **_trainer_kwargs())
+        with pytest.raises(
+            ConfigurationError, match=taken + r" the cluster's 2 CPUs.*num_cpus_per_worker"
+        ):
+            trainer.fit(Recorder("."), RayDataLoader(ray.data.range(8), batch_size=4))
     assert leftovers() == before
 
 
@@ -439,6 +449,11 @@ def test_a_bare_dataset_is_refused_with_the_loader_to_wrap_it_in(ray_cluster):
         ({"dtypes": "float"}, "dtypes must be a torch.dtype"),
         ({"num_rows": -1}, "num_rows must be an int >= 0, got -1"),
         ({"collate_fn": 3}, "collate_fn must be a function or None, got 3"),
+        (
+            {"collate_fn": dict, "dtypes": torch.float16},
+            "takes collate_fn or dtypes, not both (Ray Data refuses them together), got "
+            "dtypes=torch.float16",
+        ),
     ],
 )
 def test_bad_loader_arguments_are_configuration_errors(kwargs, message):
@@ -456,6 +471,51 @@ def test_bad_datamodule_arguments_are_configuration_errors():
         RayDataModule(batch_size="x")
     with pytest.raises(ConfigurationError, match="eval_batch_size must be an int >= 1, got 0"):
         RayDataModule(eval_batch_size=0)
+
+
+def test_a_datamodules_train_only_options_leave_the_other_stages_every_row():
+    """drop_last, num_rows and the local shuffle are the train loader's: a predict that dropped
+    a partial batch would lose rows, a validation would take the train set's row count."""
+    shard = DatasetShard(iterator=None, rank=0, world_size=2, rows=None)
+    module = RayDataModule(
+        train=shard, val=shard, predict=shard, batch_size=8, drop_last=True, num_rows=100,
+        local_shuffle_buffer_size=16, local_shuffle_seed=3,
+    )  # fmt: skip
+    train, val, predict = (
+        module.train_dataloader(), module.val_dataloader(), module.predict_dataloader()
+    )  # fmt: skip
+    assert (train.drop_last, train.num_rows, train.local_shuffle_buffer_size) == (True, 100, 16)
+    for other in (val, predict):
+        assert (other.drop_last, other.num_rows, other.local_shuffle_buffer_size) == (
+            False, None, None,
+        )  # fmt: skip
+        assert other.local_shuffle_seed == 3  # the rest applies to every stage
+
+
+class _Batches:
+    """A split's iterator whose every pass yields ``count`` batches."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def iter_torch_batches(self, **options):
+        return iter([{"id": torch.zeros(1)}] * self.count)
+
+
+def test_a_pass_shorter_than_num_rows_says_so_rather_than_end_no_epoch():
+    """num_rows=100 on 2 ranks, batches of 10: 5 a pass. A pass that ends after 3 would leave
+    Lightning waiting for its last batch (no epoch end: no validation, no checkpoint)."""
+    shard = DatasetShard(iterator=_Batches(3), rank=0, world_size=2, rows=None)
+    loader = RayDataLoader(shard, batch_size=10, num_rows=100)
+    assert len(loader) == 5
+    with pytest.raises(ConfigurationError, match=r"num_rows=100\) gives .* 5 batches .* after 3"):
+        list(loader)
+    full = DatasetShard(iterator=_Batches(5), rank=0, world_size=2, rows=None)
+    assert len(list(RayDataLoader(full, batch_size=10, num_rows=100))) == 5
+    cut = RayDataLoader(shard, batch_size=10, num_rows=100)
+    assert len(list(itertools.islice(cut, 2))) == 2  # a pass cut short (a limit): fine
+    unequal = DatasetShard(iterator=_Batches(3), rank=0, world_size=2, rows=None, equal=False)
+    assert len(list(RayDataLoader(unequal, batch_size=10, num_rows=100))) == 3  # no length
 
 
 def test_a_loader_knows_its_length_only_from_a_known_row_count():
@@ -517,7 +577,9 @@ def test_a_resumed_fit_shuffles_each_epoch_as_the_uninterrupted_fit():
     assert strategy.process_dataloader(loader) is loader
     for _ in range(2):  # epochs 3 and 4
         list(loader)
-    assert seen.seeds == [13, 14]
+        list(loader)  # a pass begun again in the same epoch (a prefetch, then the epoch's)
+        trainer.fit_loop.epoch_progress.current.processed += 1
+    assert seen.seeds == [13, 13, 14, 14]
     trainer.validating = True  # a validation loader counts its own passes
     other = RayDataLoader(shard, batch_size=8, local_shuffle_buffer_size=16, local_shuffle_seed=10)
     list(strategy.process_dataloader(other))

@@ -94,6 +94,12 @@ class RayDataLoader:
         self.batch_size = _count("batch_size", batch_size, minimum=1)
         self.collate_fn = _callable("collate_fn", collate_fn)
         self.dtypes = _dtypes(dtypes)
+        if self.collate_fn is not None and self.dtypes is not None:
+            raise ConfigurationError(
+                f"RayDataLoader takes collate_fn or dtypes, not both (Ray Data refuses them "
+                f"together), got dtypes={self.dtypes!r}: convert the tensors to the dtypes "
+                "you want inside collate_fn"
+            )
         self.drop_last = flag("drop_last", drop_last)
         self.local_shuffle_buffer_size = _optional_count(
             "local_shuffle_buffer_size", local_shuffle_buffer_size, minimum=1
@@ -101,19 +107,28 @@ class RayDataLoader:
         self.local_shuffle_seed = _optional_count("local_shuffle_seed", local_shuffle_seed, 0)
         self.prefetch_batches = _count("prefetch_batches", prefetch_batches, minimum=0)
         self.num_rows = _optional_count("num_rows", num_rows, minimum=0)
-        #: How many passes this process has begun (the n of the shuffle's seed).
+        #: How many passes this process has begun (the n of the shuffle's seed), where no
+        #: epoch is followed (:meth:`follow_epochs`).
         self._passes = 0
-        #: Whether a pass began since :meth:`begin_at_pass` (or ever).
-        self._begun = False
+        #: Worker side, a fit's train loader: the epoch Lightning is at (:meth:`follow_epochs`).
+        self._epoch: Callable[[], int] | None = None
+        #: The n of the pass this loader reads now (None: it began none).
+        self.reading: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_epoch": None}  # the worker's Trainer stays there
 
     def __iter__(self) -> Iterator[Any]:
         # a generator: Lightning calls iter() to check a loader is iterable, which must not
         # begin a pass (each pass of a split waits for every rank's)
+        if self._epoch is not None:
+            self.reading = self._epoch()
+        else:
+            self.reading = self._passes
+            self._passes += 1
         seed = self.local_shuffle_seed
         if seed is not None:
-            seed += self._passes
-        self._passes += 1
-        self._begun = True
+            seed += self.reading
         options: dict[str, Any] = {
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
@@ -140,19 +155,28 @@ class RayDataLoader:
                     "before the Trainer's call (in the DataModule's __init__, or passed to "
                     "RayDataLoader there), where the strategy splits it over the ranks"
                 )
-        yield from source.iter_torch_batches(**options)
+        batches = 0
+        for batch in source.iter_torch_batches(**options):
+            batches += 1
+            yield batch
+        if self.num_rows is not None and self.rows() is not None and batches < len(self):
+            # Lightning would wait for a last batch that never comes: no epoch end, so no
+            # validation, checkpoint or early stopping after it, and nothing said
+            raise ConfigurationError(
+                f"RayDataLoader(num_rows={self.num_rows}) gives this process {len(self)} "
+                f"batches of {self.batch_size} a pass, but its pass ended after {batches}: the "
+                "dataset has fewer rows than num_rows says; pass its row count (or None, for "
+                "a loader without a length)"
+            )
 
-    def begin_at_pass(self, passes: int, unless_begun: bool = False) -> None:
-        """Worker side: a train loader made for epoch ``passes`` (a fit that resumes there
-        after a restart or a resize, a loader reloaded there by
-        ``reload_dataloaders_every_n_epochs``) reads that epoch's pass, with its shuffle's seed,
-        as the one loader of an uninterrupted fit would. ``unless_begun``: not when a pass
-        began since the last call (a loader without a length begins its first pass as
-        Lightning sets it up)."""
-        if unless_begun and self._begun:
-            return
-        self._passes = passes
-        self._begun = False
+    def follow_epochs(self, epoch: Callable[[], int]) -> None:
+        """Worker side, a fit's train loader: each pass reads the pass of the epoch that
+        ``epoch()`` gives as it begins (Lightning's epoch, which a DataLoader's sampler orders
+        its samples by), not the count of passes begun: the same pass however often Lightning
+        begins one in an epoch (a loader without a length begins one to prefetch a batch, and
+        again as the epoch starts), the right one in a fit resumed at any epoch, and in a
+        loader made anew for an epoch (``reload_dataloaders_every_n_epochs``)."""
+        self._epoch = epoch
 
     def __len__(self) -> int:
         rows = self.rows()
@@ -185,6 +209,10 @@ class RayDataLoader:
         return f"RayDataLoader({self.dataset!r}, batch_size={self.batch_size})"
 
 
+#: RayDataModule's loader options that apply to its train dataset only.
+_TRAIN_ONLY = ("local_shuffle_buffer_size", "drop_last", "num_rows")
+
+
 class RayDataModuleBase:
     """A DataModule of Ray Data datasets: its ``*_dataloader`` hooks return
     :class:`RayDataLoader` s, so that ``trainer.fit(model, datamodule=...)``, ``validate``,
@@ -204,7 +232,10 @@ class RayDataModuleBase:
         batch_size: Rows per batch on each rank, in every stage.
         eval_batch_size: Rows per batch in validation, test and predict (default: batch_size).
         **loader_options: Passed to every :class:`RayDataLoader` (``local_shuffle_seed``,
-            ``dtypes``, ...); ``local_shuffle_buffer_size`` applies to ``train`` only.
+            ``dtypes``, ...); ``local_shuffle_buffer_size``, ``drop_last`` and ``num_rows``
+            apply to ``train`` only (validation, test and predict read every row, and count
+            their rows where Ray Data knows the count; for another count, override the stage's
+            ``*_dataloader`` hook with a RayDataLoader of your own).
     """
 
     def __init__(
@@ -246,7 +277,8 @@ class RayDataModuleBase:
             return []  # Lightning's "no dataloader" for this stage
         options = dict(self.loader_options)
         if stage != "train":
-            options.pop("local_shuffle_buffer_size", None)
+            for train_only in _TRAIN_ONLY:
+                options.pop(train_only, None)
         size = self.batch_size if stage == "train" else self.eval_batch_size
         return RayDataLoader(dataset, size, **options)
 

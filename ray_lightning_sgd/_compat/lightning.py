@@ -169,6 +169,16 @@ def train_combined_loader(trainer: Any) -> Any | None:
     return getattr(trainer.fit_loop, _COMBINED_LOADER, None)
 
 
+#: Where Lightning's fit loop keeps the fetcher of its train batches.
+_DATA_FETCHER = "_data_fetcher"
+
+
+def train_data_fetcher(trainer: Any) -> Any | None:
+    """Runs on each worker. The fetcher the fit loop takes its train batches from (``iter()`` on
+    it begins the train iterables again), or None before the fit loop set it up."""
+    return getattr(trainer.fit_loop, _DATA_FETCHER, None)
+
+
 #: Where a LightningModule or LightningDataModule keeps its hyperparameters (the ``hparams``
 #: property reads it): the one private attribute of theirs that travels as user state.
 HPARAMS_ATTRIBUTE = "_hparams"

@@ -47,10 +47,10 @@ KEEP_FREE = {"CPU": 1.0}
 
 
 def check_room(config: WorkerGroupConfig) -> None:
-    """Before an attempt's workers start: raises when they would take every CPU of the cluster,
-    which leaves Ray Data's read and map tasks none to run on (the call would wait forever);
-    warns when less than one CPU is left. An elastic run counts its fewest workers: its larger
-    sizes are taken only where they leave :data:`KEEP_FREE` (``WorkerGroupConfig.keep_free``)."""
+    """Before an attempt's workers start: raises when they would leave the cluster less than
+    one CPU, the least a read or map task of Ray Data asks by default (none could run, and the
+    call would wait forever). An elastic run counts its fewest workers: its larger sizes are
+    taken only where they leave :data:`KEEP_FREE` (``WorkerGroupConfig.keep_free``)."""
     total = float(ray.cluster_resources().get("CPU", 0.0))
     fewest = config.sizes[-1] if config.sizes else config.num_workers  # an elastic run's min
     taken = fewest * float(config.resources_per_worker.get("CPU", 0.0))
@@ -67,10 +67,11 @@ def check_room(config: WorkerGroupConfig) -> None:
         "--num-cpus=N on another machine; ray.init(num_cpus=N) locally); Ray Data's own limits: "
         "DataContext.get_current().execution_options.resource_limits"
     )
-    if free <= 0:
-        raise ConfigurationError(f"the call streams Ray Data datasets, but {what}: {fixes}")
-    log.warning("The call streams Ray Data datasets, but %s; tasks that ask a whole CPU "
-                "(Ray Data's default) wait until one is free: %s", what, fixes)  # fmt: skip
+    raise ConfigurationError(
+        f"the call streams Ray Data datasets, but {what}, and each read or map task asks a "
+        f"whole CPU (Ray Data's default): none could run, and every rank would wait for good; "
+        f"leave at least one CPU free: {fixes}"
+    )
 
 
 def check_strategy(

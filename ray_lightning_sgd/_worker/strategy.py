@@ -10,6 +10,7 @@ strategy, placed before the driver half.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -23,6 +24,12 @@ if TYPE_CHECKING:
     from pytorch_lightning.strategies import DDPStrategy as _Base
 else:
     _Base = object
+
+
+def _epoch(trainer: Any) -> int:
+    """The epoch of a fit that Lightning gives samplers' ``set_epoch`` (``current_epoch`` is
+    one behind it as a fit resumed from an epoch's end sets its data up)."""
+    return int(trainer.fit_loop.epoch_progress.current.processed)
 
 
 class OnWorkersBase(_Base):
@@ -43,10 +50,7 @@ class OnWorkersBase(_Base):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.training:
             if isinstance(dataloader, RayDataLoader):
-                # the epoch Lightning gives samplers' set_epoch (current_epoch is one behind
-                # here in a fit resumed from an epoch's end)
-                progress = trainer.fit_loop.epoch_progress.current  # a _ProcessedTracker
-                dataloader.begin_at_pass(progress.processed)  # type: ignore[attr-defined]
+                dataloader.follow_epochs(functools.partial(_epoch, trainer))
             for callback in _compat.hidden_callbacks_of(trainer):
                 if isinstance(callback, ResumeCheckpointBase):
                     callback.resume_inside_epoch(dataloader, trainer)
@@ -54,19 +58,26 @@ class OnWorkersBase(_Base):
 
     @override
     def on_train_start(self) -> None:
-        """Runs on each worker. A train RayDataLoader that has not begun a pass yet begins at
-        its epoch's, now that a resumed fit's loop state is restored: a loader set up before
-        that (``trainer.estimated_stepping_batches`` in ``configure_optimizers`` sets up the
-        train data before Lightning restores the checkpoint) was told epoch 0 then."""
+        """Runs on each worker. A train RayDataLoader that began a pass of another epoch than
+        the fit's, now that a resumed fit's loop state is restored, begins again: one without
+        a length began its pass to prefetch a batch as Lightning set the train data up, which
+        ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` does before
+        Lightning restores the checkpoint (at epoch 0, then)."""
         super().on_train_start()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None:
             return
-        processed = trainer.fit_loop.epoch_progress.current.processed  # type: ignore[attr-defined]
         combined = _compat.train_combined_loader(trainer)
-        for loader in [] if combined is None else combined.flattened:
-            if isinstance(loader, RayDataLoader):
-                loader.begin_at_pass(processed, unless_begun=True)
+        early = [
+            loader
+            for loader in ([] if combined is None else combined.flattened)
+            if isinstance(loader, RayDataLoader)
+            and loader.reading is not None
+            and loader.reading != _epoch(trainer)
+        ]
+        fetcher = _compat.train_data_fetcher(trainer)
+        if early and fetcher is not None:
+            iter(fetcher)  # every rank alike: the passes of the split begin again
 
     def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
         """Runs on each worker. A context in which ``Trainer.save_checkpoint`` writes a resume
