@@ -797,3 +797,18 @@ def test_ray_data_tells_a_known_row_count_and_a_split_names_its_coordinator(ray_
     )
     assert _compat.ray.split_coordinator(iterators[1]) == coordinator
     ray.kill(coordinator, no_restart=True)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_lightning_keeps_the_device_mesh_where_expected(namespace):
+    """The workers give a ModelParallelStrategy and its module the mesh of an earlier call."""
+    pl = importlib.import_module(namespace)
+    strategy = pl.strategies.ModelParallelStrategy()
+    module = pl.LightningModule()
+    strategy._lightning_module = module
+    mesh = object()
+    _compat.lightning.set_device_mesh(strategy, mesh)
+    assert strategy.device_mesh is mesh and module.device_mesh is mesh, (
+        f"{namespace}'s ModelParallelStrategy or LightningModule no longer keep the device mesh "
+        "in _device_mesh; update _compat.lightning.set_device_mesh"
+    )

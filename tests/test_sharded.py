@@ -295,13 +295,24 @@ def _process_groups() -> int:
 
 
 @needs_cpu_fsdp2
-def test_warm_workers_do_not_gather_process_groups_call_after_call(ray_cluster):
+def test_a_two_dimensional_mesh_brings_the_weights_back_and_leaves_no_groups(ray_cluster):
+    """4 workers, data-parallel 2 x tensor-parallel 2: each dimension a group of its own (a
+    dimension over every rank would be the default group). Rank 0 gathers the weights over
+    them after Lightning's teardown, call after call on warm workers, which keep one mesh
+    (one set of groups) however many calls use it."""
     from ray_lightning_sgd._executor import pool
 
     pool.shutdown()
     counts = []
     for _ in range(2):
-        _fit(RayModelParallelStrategy(num_workers=2, **FSDP2), epochs=1)
+        strategy = RayModelParallelStrategy(
+            num_workers=4, num_cpus_per_worker=0.5, data_parallel_size=2, tensor_parallel_size=2
+        )
+        _, model = _fit(strategy, epochs=1)
+        assert model.parameter_type == "DTensor"
+        assert all(not p.is_meta and torch.isfinite(p).all() for p in model.parameters())
         [idle] = pool._idle
         counts.append(idle.executor.run(_process_groups))
-    assert counts[0] == counts[1] == [1, 1], counts  # the default group alone
+    # the default group and the mesh's two, kept for the next call of the same mesh
+    assert counts[0] == counts[1] == [3, 3, 3, 3], counts  # the default group alone
+    pool.shutdown()  # 4 workers of half a CPU: not the settings of the next tests

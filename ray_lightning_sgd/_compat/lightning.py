@@ -169,6 +169,13 @@ def train_combined_loader(trainer: Any) -> Any | None:
     return getattr(trainer.fit_loop, _COMBINED_LOADER, None)
 
 
+def set_device_mesh(strategy: Any, mesh: Any) -> None:
+    """Runs on each worker. Gives a ModelParallelStrategy and its LightningModule ``mesh``, as
+    its ``setup_environment`` gave them the one it made."""
+    strategy._device_mesh = mesh
+    strategy.lightning_module._device_mesh = mesh
+
+
 #: Where Lightning's fit loop keeps the fetcher of its train batches.
 _DATA_FETCHER = "_data_fetcher"
 

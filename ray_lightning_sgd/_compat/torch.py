@@ -42,6 +42,17 @@ def destroy_mesh_groups(mesh: Any) -> None:
             dist.destroy_process_group(group)
 
 
+def mesh_key(mesh: Any) -> tuple[Any, ...]:
+    """Runs on each worker. What makes two device meshes alike: their device, shape, ranks and
+    names, over the same default process group."""
+    import torch.distributed as dist
+
+    return (
+        mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
+        mesh.mesh_dim_names, id(dist.GroupMember.WORLD),
+    )  # fmt: skip
+
+
 def cpu_fsdp2_problem(version: str) -> str | None:
     """Why torch ``version`` cannot shard a model with FSDP2 on CPU workers, or None if it can."""
     if Version(version).release >= Version(CPU_FSDP2_SINCE).release:

@@ -132,19 +132,27 @@ class ShardedOnWorkers(OnWorkersBase):
         return get_model_state_dict(self.model, options=options)  # type: ignore[arg-type]
 
 
+#: Runs on each worker: the device meshes of this process's calls, one a shape.
+_MESHES: dict[tuple[Any, ...], Any] = {}
+
+
 class ModelParallelOnWorkers(ShardedOnWorkers):
     """Runs on each worker: RayModelParallelStrategy's worker half."""
 
     @override
-    def teardown(self) -> None:
-        """Runs on each worker. Lightning's teardown, then the process groups of this call's
-        device mesh are destroyed: warm workers would otherwise gain a set on every call."""
-        super().teardown()
-        try:
-            mesh = self.device_mesh  # type: ignore[attr-defined]
-        except RuntimeError:  # the call ended before the mesh was made
-            return
-        _compat.torch.destroy_mesh_groups(mesh)
+    def setup_environment(self) -> None:
+        """Runs on each worker. Lightning's, then the device mesh of an earlier call of the
+        same shape takes the new one's place (whose process groups go): warm workers would
+        otherwise gain a set of groups on every call. Kept, not destroyed at the call's end:
+        rank 0 gathers the weights over them after Lightning's teardown (as a model's
+        ``on_fit_end`` may), and torch's DTensor caches take a new mesh equal to a destroyed
+        one for it, whose groups no longer resolve."""
+        super().setup_environment()
+        made = self.device_mesh  # type: ignore[attr-defined]
+        kept = _MESHES.setdefault(_compat.torch.mesh_key(made), made)
+        if kept is not made:
+            _compat.torch.destroy_mesh_groups(made)
+            _compat.lightning.set_device_mesh(self, kept)
 
 
 class FSDPOnWorkers(SamplesByWorldRank, ShardedOnWorkers):
