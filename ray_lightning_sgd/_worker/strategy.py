@@ -145,8 +145,8 @@ class ModelParallelOnWorkers(ShardedOnWorkers):
         same shape takes the new one's place (whose process groups go): warm workers would
         otherwise gain a set of groups on every call. Kept, not destroyed at the call's end:
         rank 0 gathers the weights over them after Lightning's teardown (as a model's
-        ``on_fit_end`` may), and torch's DTensor caches take a new mesh equal to a destroyed
-        one for it, whose groups no longer resolve."""
+        ``on_fit_end`` may), and after that the next call's gather still named a destroyed
+        group (something in torch keeps the earlier mesh's group names)."""
         super().setup_environment()
         made = self.device_mesh  # type: ignore[attr-defined]
         kept = _MESHES.setdefault(_compat.torch.mesh_key(made), made)
