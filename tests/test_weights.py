@@ -36,8 +36,9 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    """Embedding, two feed-forward blocks, an output layer, and a persistent buffer (as the
-    example's rotary ``freqs_cis``) that ``init_weights`` computes."""
+    """Embedding, two feed-forward blocks, an output layer, a persistent buffer (as the
+    example's rotary ``freqs_cis``) that ``init_weights`` computes, and one that the state dict
+    leaves out (``persistent=False``, as Hugging Face's rotary ``inv_freq``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,11 +46,13 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.ModuleList([Block(), Block()])
         self.out = nn.Linear(DIM, VOCAB, bias=False)
         self.register_buffer("scale", torch.empty(DIM))
+        self.register_buffer("shift", torch.empty(DIM), persistent=False)
 
     def reset_parameters(self) -> None:
         """What Lightning's materialisation calls for this module's own buffer."""
         with torch.no_grad():
             self.scale.fill_(1.0)
+            self.shift.zero_()
 
     def init_weights(self) -> None:
         torch.manual_seed(0)
@@ -58,9 +61,10 @@ class TinyTransformer(nn.Module):
                 for parameter in module.parameters():
                     nn.init.normal_(parameter, std=0.1)
             self.scale.copy_(torch.linspace(0.5, 1.5, DIM))
+            self.shift.copy_(torch.linspace(-0.1, 0.1, DIM))
 
     def forward(self, tokens):
-        x = self.embed(tokens) * self.scale
+        x = self.embed(tokens) * self.scale + self.shift
         for block in self.blocks:
             x = block(x)
         return self.out(x)
@@ -171,6 +175,9 @@ def _assert_rank_zeros_weights(model: nn.Module, tmp_path: Path) -> None:
     initial.init_weights()
     assert not torch.equal(ours["model.out.weight"], initial.out.weight.detach())
     assert torch.equal(ours["model.scale"], initial.scale)
+    # the buffer the state dict leaves out is rank 0's too, not left on the meta device (the next
+    # call would send it so, and a sharded strategy would initialise the whole model anew)
+    assert not model.model.shift.is_meta and torch.equal(model.model.shift, initial.shift)
     # and the driver's model runs
     assert model.model(torch.zeros(1, SEQ, dtype=torch.long)).shape == (1, SEQ, VOCAB)
 
@@ -279,6 +286,20 @@ def test_meta_tensors_take_the_loaded_weights_and_those_left_are_named():
     assert tied.out.weight is tied.embed.weight and not tied.embed.weight.is_meta
     assert torch.equal(tied.embed.weight, values["embed.weight"])
     assert len(list(tied.parameters())) == 1
+    # rank 0's buffers that the state dict leaves out come too: assigned where on the meta device
+    # (owned copies), copied in place where not
+    sent = {**state, "transient": torch.full((2,), 7.0)}
+    with torch.device("meta"):
+        model = WithBuffers()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_weights(model, sent)
+    assert torch.equal(model.transient, sent["transient"])
+    assert model.transient.data_ptr() != sent["transient"].data_ptr()
+    held = WithBuffers()
+    transient = held.transient
+    load_weights(held, sent)
+    assert held.transient is transient and torch.equal(transient, sent["transient"])
     # a model off the meta device loads in place, its parameters the same objects
     plain = WithBuffers()
     weight = plain.layer.weight

@@ -42,6 +42,18 @@ def destroy_mesh_groups(mesh: Any) -> None:
             dist.destroy_process_group(group)
 
 
+#: The names of the wrappers that FSDP1 and activation checkpointing put between a module and
+#: its submodules; torch's state dicts leave them out of the names, as must ours.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A submodule's tensor's name as the model's state dict has it, without its wrappers'."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def mesh_key(mesh: Any) -> tuple[Any, ...]:
     """Runs on each worker. What makes two device meshes alike: their device, shape, ranks and
     names, over the same default process group."""

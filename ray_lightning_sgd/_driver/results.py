@@ -88,6 +88,7 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
     do not match (layers a hook built or removed on the workers only) are named in a warning.
     """
     own = model.state_dict()
+    state, buffers = _split_buffers(model, state)
     if state.keys() != own.keys():
         renamed = {_compat.torch.uncompiled_name(key): value for key, value in state.items()}
         if renamed.keys() == own.keys():
@@ -115,18 +116,46 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
             stacklevel=2,
         )
     model.load_state_dict(state, strict=False)
+    for table, name, tensor in buffers:  # load_state_dict leaves them out
+        held = table[name]
+        if held is None or held.is_meta or held.shape != tensor.shape:
+            table[name] = tensor.clone()  # an owned copy (``tensor`` views Ray's object store)
+        else:
+            held.copy_(tensor)
     named = set(missing) | set(reshaped)  # named in the warning above already
     still = [name for name, tensor in _tensors(model) if tensor.is_meta and name not in named]
     if still:
         warnings.warn(
             f"The driver's model still has tensors on the meta device after rank 0's weights "
-            f"were loaded: {_few(still)}. They are not in the model's state dict (a buffer "
-            "registered with persistent=False), so they do not come back from the workers: "
-            "register them as persistent buffers, or materialise them on the driver after "
-            "the call (model.to_empty(device='cpu') and your own initialisation)",
+            f"were loaded: {_few(still)}. Rank 0's model has none of that name (a hook that ran "
+            "on the workers only built or renamed them); the next call would send them on the "
+            "meta device, and a sharded strategy would initialise the whole model anew: build "
+            "them in __init__",
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def _split_buffers(
+    model: torch.nn.Module, state: dict[str, Tensor]
+) -> tuple[dict[str, Tensor], list[tuple[dict[str, Any], str, Tensor]]]:
+    """Driver side: rank 0's weights, less the buffers that the model's state dict leaves out
+    (``persistent=False``), which come apart: each with where it goes in the driver's model."""
+    slots: dict[str, tuple[dict[str, Any], str]] = {}
+    for path, owner in model.named_modules():
+        for name in owner._non_persistent_buffers_set:
+            slots[f"{path}.{name}" if path else name] = (owner._buffers, name)
+    if not slots:
+        return state, []
+    rest: dict[str, Tensor] = {}
+    buffers = []
+    for key, value in state.items():
+        slot = slots.get(key) or slots.get(_compat.torch.uncompiled_name(key))
+        if slot is None:
+            rest[key] = value
+        else:
+            buffers.append((*slot, value))
+    return rest, buffers
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, Tensor]]:

@@ -92,6 +92,28 @@ class OnWorkersBase(_Base):
             raise RuntimeError(f"{type(self).__name__} has no model to take the state dict of")
         return module.state_dict()
 
+    def non_persistent_buffers(self) -> dict[str, Any]:
+        """Runs on each worker (all of them: a sharded buffer is gathered). The model's buffers
+        that its state dict leaves out (registered with ``persistent=False``: a rotary
+        embedding's frequencies, a mask), whole, under the names the driver's model gives them:
+        a model built on the meta device gets them too, and the driver holds rank 0's, as
+        Lightning's rank 0 does."""
+        from torch.distributed.tensor import DTensor
+
+        module = self.lightning_module
+        found: dict[str, Any] = {}
+        for path, owner in [] if module is None else module.named_modules():
+            for name in sorted(owner._non_persistent_buffers_set):
+                tensor = owner._buffers.get(name)
+                if tensor is None:
+                    continue
+                if isinstance(tensor, DTensor):
+                    tensor = tensor.full_tensor()  # every rank alike: a collective
+                found[_compat.torch.unwrapped_name(f"{path}.{name}" if path else name)] = (
+                    tensor.detach()
+                )
+        return found
+
 
 class SamplesByWorldRank(_Base):
     """Runs on each worker: each worker reads its share of the data by its global rank among all
