@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as lpl
@@ -316,3 +317,22 @@ def test_a_two_dimensional_mesh_brings_the_weights_back_and_leaves_no_groups(ray
     # the default group and the mesh's two, kept for the next call of the same mesh
     assert counts[0] == counts[1] == [3, 3, 3, 3], counts  # the default group alone
     pool.shutdown()  # 4 workers of half a CPU: not the settings of the next tests
+
+
+@needs_cpu_fsdp2
+def test_the_drivers_checkpoint_without_the_optimizers_state_says_it_cannot_resume(tmp_path):
+    """After a sharded fit the driver holds the weights, not the optimizers' state (sharded on
+    the workers): a checkpoint the driver writes with trainer.save_checkpoint says so."""
+    trainer = pl.Trainer(
+        strategy=RayModelParallelStrategy(num_workers=2, **FSDP2), max_epochs=1,
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    model = ShardedMLP()
+    trainer.strategy.connect(model)
+    state = {"state_dict": model.state_dict(), "epoch": 1}
+    with pytest.warns(RuntimeWarning, match="not the optimizers' state.*cannot resume"):
+        trainer.strategy.save_checkpoint({**state, "optimizer_states": []}, tmp_path / "a.ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        trainer.strategy.save_checkpoint(state, tmp_path / "weights.ckpt")  # weights_only
+    assert (tmp_path / "a.ckpt").exists() and (tmp_path / "weights.ckpt").exists()

@@ -11,6 +11,7 @@ worker half and that namespace's Lightning strategy.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -53,6 +54,27 @@ class _ShardedBase(RayStrategyBase):
     driver, and resume checkpoints saved whole."""
 
     sharded = True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Lightning's; on the driver (``trainer.save_checkpoint`` after a call), a checkpoint
+        without the optimizers' state says so: it stays sharded on the workers, and
+        ``fit(ckpt_path=...)`` cannot resume from such a file."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() and checkpoint.get("optimizer_states") == []:
+            warnings.warn(
+                f"{type(self).__name__}: the checkpoint the driver writes to {str(filepath)!r} "
+                "holds the model's weights but not the optimizers' state, which stays sharded on "
+                "the workers: Trainer.fit(ckpt_path=...) cannot resume from it. Resume from a "
+                "checkpoint the workers wrote (a ModelCheckpoint's; a run's resume checkpoints), "
+                "or save the weights alone (trainer.save_checkpoint(path, weights_only=True))",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def _check_workers(self) -> None:
