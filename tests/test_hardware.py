@@ -96,6 +96,37 @@ def test_a_users_plugin_is_kept_and_bitsandbytes_needs_gpus():
         resolve_precision(request, CPU)
 
 
+def test_a_users_float16_plugin_gets_a_gradient_scaler_on_gpu_workers(monkeypatch):
+    """plugins=[MixedPrecision("16-mixed", "cuda", scaler=...)] made on a driver without CUDA:
+    torch disables its GradScaler there; a GPU worker makes another with the same settings
+    (float16 without loss scaling lets small gradients vanish). Here, without CUDA, the new
+    scaler is a recording one: torch would disable a real one again. (torch keeps no settings
+    in a scaler it disabled: the worker's has torch's defaults; said in the README.)"""
+    from ray_lightning_sgd._boundary import precision as precision_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "CUDA is not available" for the driver's
+        scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=7)
+        plugin = pl.plugins.MixedPrecision("16-mixed", "cuda", scaler=scaler)
+    assert not scaler.is_enabled()
+    made: list[tuple] = []
+
+    class Recording(torch.amp.GradScaler):
+        def __init__(self, device, **kwargs) -> None:
+            made.append((device, kwargs))
+
+    request = PrecisionRequest("16-mixed", plugin=plugin)
+    choice = resolve_precision(request, H100)
+    assert not matches(plugin, choice, pl.plugins)  # not kept as it came
+    monkeypatch.setattr(precision_module.torch.amp, "GradScaler", Recording)
+    built = make_plugin(choice, request, pl.plugins)
+    assert built is plugin and isinstance(plugin.scaler, Recording)
+    # torch kept none of the disabled scaler's settings: the new one has torch's defaults
+    assert made == [("cuda", {})]
+    # on CPU workers (bf16 autocast needs no scaler) it stays as it came
+    assert matches(plugin, resolve_precision(request, CPU), pl.plugins)
+
+
 @pytest.mark.parametrize(
     "plugins", [pl.plugins, lpl.plugins], ids=["pytorch_lightning", "lightning"]
 )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.amp import GradScaler
 
 from ray_lightning_sgd.exceptions import ConfigurationError
 
@@ -164,9 +165,10 @@ Family = Literal["general", "fsdp"]
 def matches(plugin: Any, choice: PrecisionChoice, plugins: Any, family: Family = "general") -> bool:
     """Whether ``plugin`` (of the namespace whose ``plugins`` module is given) is what ``choice``
     builds, so that a worker keeps it rather than build another. An FSDP plugin is always built
-    again: one built on a driver without CUDA has its gradient scaler disabled."""
+    again: one built on a driver without CUDA has its gradient scaler disabled, as has a
+    user's plugin object, which the worker keeps with a scaler of its own."""
     if choice.kind == "plugin":
-        return True
+        return not _scaler_lost(plugin, choice)
     if family == "fsdp":
         return False
     if getattr(plugin, "precision", None) != choice.precision:
@@ -184,7 +186,10 @@ def make_plugin(
     ``plugins`` module (``pytorch_lightning.plugins`` or ``lightning.pytorch.plugins``) is given;
     for FSDP, its own plugin (as Lightning's connector builds for ``FSDPStrategy``)."""
     if choice.kind == "plugin":
-        return request.plugin
+        plugin = request.plugin
+        if _scaler_lost(plugin, choice):
+            plugin.scaler = _scaler_again(plugin.scaler, choice.device)
+        return plugin
     if family == "fsdp":
         return plugins.FSDPPrecision(choice.precision)
     if choice.kind == "mixed":
@@ -195,6 +200,28 @@ def make_plugin(
         dtype = torch.float16 if choice.precision.endswith("float16") else torch.bfloat16
         return plugins.TransformerEnginePrecision(weights_dtype=dtype)
     return _plugin_class(choice.kind, plugins)()
+
+
+def _scaler_lost(plugin: Any, choice: PrecisionChoice) -> bool:
+    """Whether a user's float16 plugin reached a GPU worker with its gradient scaler disabled:
+    torch disables a GradScaler made where there is no GPU (the driver), and float16 training
+    without loss scaling lets small gradients vanish."""
+    scaler = getattr(plugin, "scaler", None)
+    return (
+        choice.device == "cuda"
+        and choice.precision == "16-mixed"
+        and isinstance(scaler, GradScaler)
+        and not scaler.is_enabled()
+    )
+
+
+def _scaler_again(scaler: Any, device: str) -> Any:
+    """Runs on each worker. A GradScaler for ``device``, with the settings ``scaler`` was made
+    with where it kept them (torch keeps none in a scaler it disabled for want of the device:
+    torch's defaults then)."""
+    settings = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    kept = {name: getattr(scaler, f"_{name}") for name in settings if hasattr(scaler, f"_{name}")}
+    return torch.amp.GradScaler(device, **kept)
 
 
 def _plugin_class(kind: Kind, plugins: Any) -> type:
