@@ -96,33 +96,30 @@ def test_a_users_plugin_is_kept_and_bitsandbytes_needs_gpus():
         resolve_precision(request, CPU)
 
 
-def test_a_users_float16_plugin_gets_a_gradient_scaler_on_gpu_workers(monkeypatch):
+def test_a_users_float16_plugin_gets_a_gradient_scaler_on_gpu_workers():
     """plugins=[MixedPrecision("16-mixed", "cuda", scaler=...)] made on a driver without CUDA:
-    torch disables its GradScaler there; a GPU worker makes another with the same settings
-    (float16 without loss scaling lets small gradients vanish). Here, without CUDA, the new
-    scaler is a recording one: torch would disable a real one again. (torch keeps no settings
-    in a scaler it disabled: the worker's has torch's defaults; said in the README.)"""
-    from ray_lightning_sgd._boundary import precision as precision_module
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's "CUDA is not available" for the driver's
-        scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=7)
-        plugin = pl.plugins.MixedPrecision("16-mixed", "cuda", scaler=scaler)
-    assert not scaler.is_enabled()
+    torch disables its GradScaler there; a GPU worker makes another of its class (FSDP's
+    ShardedGradScaler, say), as float16 without loss scaling lets small gradients vanish. Here,
+    without CUDA, torch disables the new one too: the test sees that it was made, and how."""
     made: list[tuple] = []
 
     class Recording(torch.amp.GradScaler):
         def __init__(self, device, **kwargs) -> None:
             made.append((device, kwargs))
+            super().__init__(device, **kwargs)
 
-    request = PrecisionRequest("16-mixed", plugin=plugin)
-    choice = resolve_precision(request, H100)
-    assert not matches(plugin, choice, pl.plugins)  # not kept as it came
-    monkeypatch.setattr(precision_module.torch.amp, "GradScaler", Recording)
-    built = make_plugin(choice, request, pl.plugins)
-    assert built is plugin and isinstance(plugin.scaler, Recording)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "CUDA is not available"
+        scaler = Recording("cuda", init_scale=1024.0)
+        plugin = pl.plugins.MixedPrecision("16-mixed", "cuda", scaler=scaler)
+        assert not scaler.is_enabled()
+        request = PrecisionRequest("16-mixed", plugin=plugin)
+        choice = resolve_precision(request, H100)
+        assert not matches(plugin, choice, pl.plugins)  # not kept as it came
+        assert make_plugin(choice, request, pl.plugins) is plugin
+    assert isinstance(plugin.scaler, Recording) and plugin.scaler is not scaler
     # torch kept none of the disabled scaler's settings: the new one has torch's defaults
-    assert made == [("cuda", {})]
+    assert made == [("cuda", {"init_scale": 1024.0}), ("cuda", {})]
     # on CPU workers (bf16 autocast needs no scaler) it stays as it came
     assert matches(plugin, resolve_precision(request, CPU), pl.plugins)
 

@@ -216,12 +216,12 @@ def _scaler_lost(plugin: Any, choice: PrecisionChoice) -> bool:
 
 
 def _scaler_again(scaler: Any, device: str) -> Any:
-    """Runs on each worker. A GradScaler for ``device``, with the settings ``scaler`` was made
-    with where it kept them (torch keeps none in a scaler it disabled for want of the device:
-    torch's defaults then)."""
+    """Runs on each worker. A scaler of ``scaler``'s class (FSDP's ``ShardedGradScaler``, say)
+    for ``device``, with the settings ``scaler`` was made with where it kept them (torch keeps
+    none in a scaler it disabled for want of the device: torch's defaults then)."""
     settings = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
     kept = {name: getattr(scaler, f"_{name}") for name in settings if hasattr(scaler, f"_{name}")}
-    return torch.amp.GradScaler(device, **kept)
+    return type(scaler)(device, **kept)
 
 
 def _plugin_class(kind: Kind, plugins: Any) -> type:
