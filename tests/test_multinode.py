@@ -203,6 +203,25 @@ def test_remote_uris_are_never_copied():
     assert artifacts.prepare(trainer) is None
 
 
+def test_a_sharded_checkpoint_folder_is_not_copied_and_the_files_beside_it_are(tmp_path):
+    """Rank 0 on another node than the driver's: its whole checkpoint files and logs come; a
+    folder in torch's distributed format does not (rank 0's shard alone would look whole)."""
+    import time
+
+    from ray_lightning_sgd._boundary.artifacts import Artifacts
+    from ray_lightning_sgd._worker.artifacts import collect
+
+    started = time.time()
+    sharded = tmp_path / "epoch=0-step=6.ckpt"
+    sharded.mkdir()
+    for name in (".metadata", "__0_0.distcp", "meta.pt"):
+        (sharded / name).write_bytes(b"shard")
+    (tmp_path / "last.ckpt").write_bytes(b"whole")
+    trainer = SimpleNamespace(loggers=[], checkpoint_callbacks=[SimpleNamespace(dirpath=tmp_path)])
+    files = collect(Artifacts(str(tmp_path / "no-probe")), trainer, started)  # type: ignore[arg-type]
+    assert files == {str(tmp_path / "last.ckpt"): b"whole"}
+
+
 def ray_lightning_sgd_shutdown() -> None:
     from ray_lightning_sgd import shutdown_workers
 

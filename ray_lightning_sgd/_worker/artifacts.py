@@ -48,7 +48,14 @@ def collect(artifacts: Artifacts | None, trainer: pl.Trainer, started: float) ->
     files: dict[str, bytes] = {}
     size = 0
     for root in _folders(trainer):
-        for folder, _, names in os.walk(root):
+        for folder, subfolders, names in os.walk(root):
+            if _is_distributed_checkpoint(names):
+                # each rank wrote its own shard where it runs: rank 0's alone would make a
+                # folder that looks whole and is not (the README: point the paths at storage
+                # every node reaches)
+                log.info("Not copying %s to the driver: a sharded checkpoint", folder)
+                subfolders.clear()
+                continue
             for name in names:
                 path = os.path.join(folder, name)
                 if path in files:
@@ -70,3 +77,9 @@ def collect(artifacts: Artifacts | None, trainer: pl.Trainer, started: float) ->
                 except OSError:
                     continue  # gone meanwhile
     return files
+
+
+def _is_distributed_checkpoint(names: list[str]) -> bool:
+    """Whether a folder's files are a checkpoint in torch's distributed format (a sharded
+    strategy's: its ``.metadata`` and a ``.distcp`` file of each rank's)."""
+    return ".metadata" in names and any(name.endswith(".distcp") for name in names)
