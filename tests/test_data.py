@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -516,6 +517,27 @@ def test_a_pass_shorter_than_num_rows_says_so_rather_than_end_no_epoch():
     assert len(list(itertools.islice(cut, 2))) == 2  # a pass cut short (a limit): fine
     unequal = DatasetShard(iterator=_Batches(3), rank=0, world_size=2, rows=None, equal=False)
     assert len(list(RayDataLoader(unequal, batch_size=10, num_rows=100))) == 3  # no length
+
+
+def test_a_fit_resumed_inside_an_epoch_leaves_out_the_batches_that_epoch_had_trained():
+    """A preemption's resume point after 2 batches of epoch 3: the epoch's pass leaves out its
+    first 2 batches, so that the epoch trains 5 in all, with or without a length (without one it
+    read a whole pass more); a pass begun early and given up hands the skip on."""
+    from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    callback = ResumeCheckpointBase(0, None)
+    callback.load_state_dict({"batches": 2, "replicas": 2})
+    shard = DatasetShard(iterator=_Batches(5), rank=0, world_size=2, rows=None)
+    loader = RayDataLoader(shard, batch_size=10)  # no length
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of "cannot deal that epoch's order again"
+        callback.resume_inside_epoch(loader, trainer)
+    early = iter(loader)
+    next(early)  # Lightning set the data up before the loop state came back: given up
+    loader.begin_again()
+    assert len(list(loader)) == 3  # the resumed epoch: 2 trained before, 3 now
+    assert len(list(loader)) == 5  # the next epoch reads its whole pass
 
 
 def test_a_loader_knows_its_length_only_from_a_known_row_count():

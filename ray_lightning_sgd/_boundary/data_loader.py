@@ -114,6 +114,9 @@ class RayDataLoader:
         self._epoch: Callable[[], int] | None = None
         #: The n of the pass this loader reads now (None: it began none).
         self.reading: int | None = None
+        #: Batches the next pass leaves out, and those the pass read now left out.
+        self._skip_next = 0
+        self._skipped = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_epoch": None}  # the worker's Trainer stays there
@@ -155,10 +158,13 @@ class RayDataLoader:
                     "before the Trainer's call (in the DataModule's __init__, or passed to "
                     "RayDataLoader there), where the strategy splits it over the ranks"
                 )
+        skip, self._skip_next = self._skip_next, 0
+        self._skipped = skip
         batches = 0
         for batch in source.iter_torch_batches(**options):
             batches += 1
-            yield batch
+            if batches > skip:
+                yield batch
         if self.num_rows is not None and self.rows() is not None and batches < len(self):
             # Lightning would wait for a last batch that never comes: no epoch end, so no
             # validation, checkpoint or early stopping after it, and nothing said
@@ -168,6 +174,19 @@ class RayDataLoader:
                 "dataset has fewer rows than num_rows says; pass its row count (or None, for "
                 "a loader without a length)"
             )
+
+    def skip_next_pass(self, batches: int) -> None:
+        """Worker side, a fit resumed inside an epoch: the next pass leaves out its first
+        ``batches`` batches (those the interrupted epoch had trained), so that the epoch ends
+        after as many batches as it would have; a loader without a length would otherwise read a
+        whole pass more. Other rows than the interrupted pass had left: a pass of Ray Data deals
+        its rows anew."""
+        self._skip_next = batches
+
+    def begin_again(self) -> None:
+        """Worker side: the pass read now is given up before its epoch began (Lightning set the
+        data up early); the next pass leaves out what this one was to."""
+        self._skip_next = self._skipped
 
     def follow_epochs(self, epoch: Callable[[], int]) -> None:
         """Worker side, a fit's train loader: each pass reads the pass of the epoch that

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ray_lightning_sgd import _files, _scratch
 from ray_lightning_sgd._boundary.channels import RESUME
+from ray_lightning_sgd._boundary.data_loader import RayDataLoader
 from ray_lightning_sgd._boundary.resume_points import (
     ResumePoint,
     checkpoint_name,
@@ -156,6 +157,9 @@ class ResumeCheckpointBase:
                 shift_batch_counts(trainer, share - count)
             count = share
         self._skip_counted = True
+        if isinstance(dataloader, RayDataLoader):
+            dataloader.skip_next_pass(count)
+            return
         if _is_stateful(dataloader):
             return  # Lightning restores a stateful DataLoader's position itself
         # the epoch is set also when nothing is skipped: Lightning deals the resumed epoch's

@@ -15,6 +15,7 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ray_lightning_sgd._boundary.datasets import DatasetShard
 from ray_lightning_sgd._compat import has_callback, train_combined_loader
 
 if TYPE_CHECKING:
@@ -74,7 +75,11 @@ def _steps_resume_inside(trainer: pl.Trainer) -> bool:
 
 def _replicas(dataloader: Any) -> int:
     """How many ranks share the loader's data: its DistributedSampler's replicas (with tensor
-    parallelism fewer than the world size), else 1 (each rank reads it all)."""
+    parallelism fewer than the world size), a Ray Data split's ranks, else 1 (each rank reads
+    it all)."""
+    shard = getattr(dataloader, "dataset", None)
+    if isinstance(shard, DatasetShard):
+        return shard.world_size
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
         replicas = getattr(sampler, "num_replicas", None)

@@ -77,6 +77,8 @@ class OnWorkersBase(_Base):
         ]
         fetcher = _compat.train_data_fetcher(trainer)
         if early and fetcher is not None:
+            for loader in early:
+                loader.begin_again()
             iter(fetcher)  # every rank alike: the passes of the split begin again
 
     def resume_checkpoints(self) -> contextlib.AbstractContextManager[Any]:
