@@ -10,8 +10,10 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import logging
 import os
 import re
+import signal
 import sys
 import time
 import warnings
@@ -325,6 +327,42 @@ def test_a_fit_resumed_from_a_checkpoint_reads_the_passes_of_its_epochs(cpu_for_
     trainer = pl.Trainer(strategy=again, max_epochs=4, max_steps=8, **kwargs)
     trainer.fit(resumed, _shuffled(data), ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.passes == [2, 3]
+
+
+class TerminatedPasses(Passes):
+    """Rank 1's process receives SIGTERM (a spot node's notice) at global step 5, once; steps
+    of 0.25 s (the ranks exchange notices about every 0.5 s)."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 5 and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.25)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_preempted_fit_without_a_length_trains_its_epochs_as_long_as_without(
+    cpu_for_ray_data, tmp_path, caplog
+):
+    """A preemption in epoch 1 of a loader without a length (4 batches a rank an epoch): the
+    restart resumes inside the epoch and its pass leaves out what the epoch had trained, so the
+    fit takes 8 steps, as without the preemption (a whole pass more before)."""
+    data = ray.data.from_items([{"id": i} for i in range(64)]).map_batches(unchanged)
+    model = TerminatedPasses(str(tmp_path / "terminated"))
+    strategy = RaySGDStrategy(num_workers=2, num_cpus_per_worker=0.5)
+    trainer = pl.Trainer(strategy=strategy, max_epochs=2, **_trainer_kwargs())
+    with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
+        trainer.fit(model, RayDataLoader(data, batch_size=8))
+    assert (tmp_path / "terminated").exists(), "no SIGTERM was sent"
+    assert "after a preemption" in caplog.text, caplog.text
+    where = re.search(r"fit resumes in epoch 1 after (\d+) batches", caplog.text)
+    assert where is not None and 1 <= int(where[1]) <= 3, caplog.text
+    assert trainer.global_step == 8
+    assert model.passes[-1] == 1  # the resumed epoch's pass (rank 0's, as it came back)
 
 
 def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again(

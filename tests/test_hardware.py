@@ -99,29 +99,44 @@ def test_a_users_plugin_is_kept_and_bitsandbytes_needs_gpus():
 def test_a_users_float16_plugin_gets_a_gradient_scaler_on_gpu_workers():
     """plugins=[MixedPrecision("16-mixed", "cuda", scaler=...)] made on a driver without CUDA:
     torch disables its GradScaler there; a GPU worker makes another of its class (FSDP's
-    ShardedGradScaler, say), as float16 without loss scaling lets small gradients vanish. Here,
-    without CUDA, torch disables the new one too: the test sees that it was made, and how."""
+    ShardedGradScaler, say), as float16 without loss scaling lets small gradients vanish. One
+    disabled on a driver with a GPU was disabled by the user: it stays so. Here, without CUDA,
+    torch disables the new one too: the test sees that it was made, and how."""
     made: list[tuple] = []
 
     class Recording(torch.amp.GradScaler):
-        def __init__(self, device, **kwargs) -> None:
+        def __init__(self, device="cuda", **kwargs) -> None:
             made.append((device, kwargs))
             super().__init__(device, **kwargs)
 
+    class CudaOnly(torch.amp.GradScaler):
+        """As torch.cuda.amp.GradScaler: no device argument (its first is init_scale)."""
+
+        def __init__(self, init_scale=2.0**16, **kwargs) -> None:
+            made.append(("no device", {"init_scale": init_scale, **kwargs}))
+            super().__init__("cuda", init_scale=init_scale, **kwargs)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's "CUDA is not available"
-        scaler = Recording("cuda", init_scale=1024.0)
-        plugin = pl.plugins.MixedPrecision("16-mixed", "cuda", scaler=scaler)
-        assert not scaler.is_enabled()
-        request = PrecisionRequest("16-mixed", plugin=plugin)
-        choice = resolve_precision(request, H100)
-        assert not matches(plugin, choice, pl.plugins)  # not kept as it came
-        assert make_plugin(choice, request, pl.plugins) is plugin
-    assert isinstance(plugin.scaler, Recording) and plugin.scaler is not scaler
-    # torch kept none of the disabled scaler's settings: the new one has torch's defaults
-    assert made == [("cuda", {"init_scale": 1024.0}), ("cuda", {})]
-    # on CPU workers (bf16 autocast needs no scaler) it stays as it came
-    assert matches(plugin, resolve_precision(request, CPU), pl.plugins)
+        for scaler in (Recording("cuda", init_scale=1024.0), CudaOnly()):
+            plugin = pl.plugins.MixedPrecision("16-mixed", "cuda", scaler=scaler)
+            assert not scaler.is_enabled()
+            request = PrecisionRequest("16-mixed", plugin=plugin, made_without_cuda=True)
+            choice = resolve_precision(request, H100)
+            assert not matches(plugin, choice, pl.plugins)  # not kept as it came
+            assert make_plugin(choice, request, pl.plugins) is plugin
+            assert type(plugin.scaler) is type(scaler) and plugin.scaler is not scaler
+            # on CPU workers (bf16 autocast needs no scaler) it stays as it came
+            assert matches(plugin, resolve_precision(request, CPU), pl.plugins)
+            # made on a driver with a GPU: disabled by the user, kept so
+            by_hand = PrecisionRequest("16-mixed", plugin=plugin, made_without_cuda=False)
+            assert matches(plugin, resolve_precision(by_hand, H100), pl.plugins)
+    # torch kept none of a disabled scaler's settings: the new ones have torch's defaults, and
+    # a scaler class without a device argument gets none
+    assert made == [
+        ("cuda", {"init_scale": 1024.0}), ("no device", {"init_scale": 2.0**16}),  # the user's
+        ("cuda", {}), ("no device", {"init_scale": 2.0**16}),  # the workers'
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -167,7 +182,9 @@ def test_a_driver_without_gpus_keeps_the_precision_asked_for_gpu_workers(
             strategy=strategy, precision=precision, **quiet_trainer_kwargs()
         )
     assert trainer.precision == precision
-    assert strategy.precision_request == PrecisionRequest(precision, None, "auto")
+    assert strategy.precision_request == PrecisionRequest(
+        precision, None, "auto", made_without_cuda=not torch.cuda.is_available()
+    )
     assert isinstance(trainer.precision_plugin, strategy.precision_class)
     # Lightning's message about the driver's CPU ("Using precision='bf16-mixed' instead") is wrong
     # for GPU workers and is not shown

@@ -11,6 +11,7 @@ Lightning namespace's classes.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,6 +45,9 @@ class PrecisionRequest:
     plugin: Any = None
     #: The Trainer's ``accelerator`` argument as given (``"auto"``, ``"cpu"``, ``"gpu"``, ...).
     accelerator: str = "auto"
+    #: Whether the driver that made ``plugin`` had no GPU: torch disables a GradScaler made
+    #: there, which a GPU worker then makes again (one disabled where there was a GPU stays so).
+    made_without_cuda: bool = False
 
 
 class WorkerPrecisionBase:
@@ -100,6 +104,9 @@ class PrecisionChoice:
     device: str
     #: What Lightning would have told the user on that machine (it changed the precision).
     note: str | None = None
+    #: A user's float16 plugin whose gradient scaler torch disabled on the driver (no GPU
+    #: there): the GPU worker gives it a new one.
+    new_scaler: bool = False
 
 
 def resolve_precision(request: PrecisionRequest, hardware: WorkerHardware) -> PrecisionChoice:
@@ -117,7 +124,16 @@ def resolve_precision(request: PrecisionRequest, hardware: WorkerHardware) -> Pr
                 f"plugins=[{type(request.plugin).__name__}(...)] runs on CUDA GPUs only, and the "
                 f"workers are {hardware.describe()}; pass use_gpu=True to the strategy"
             )
-        return PrecisionChoice(getattr(request.plugin, "precision", precision), "plugin", device)
+        chosen = getattr(request.plugin, "precision", precision)
+        scaler = getattr(request.plugin, "scaler", None)
+        new_scaler = (
+            device == "cuda"
+            and chosen == "16-mixed"
+            and request.made_without_cuda
+            and isinstance(scaler, GradScaler)
+            and not scaler.is_enabled()
+        )
+        return PrecisionChoice(chosen, "plugin", device, new_scaler=new_scaler)
     if precision not in PRECISIONS:
         raise ConfigurationError(
             f"precision={precision!r} is not one of Lightning's precisions: {', '.join(PRECISIONS)}"
@@ -168,7 +184,7 @@ def matches(plugin: Any, choice: PrecisionChoice, plugins: Any, family: Family =
     again: one built on a driver without CUDA has its gradient scaler disabled, as has a
     user's plugin object, which the worker keeps with a scaler of its own."""
     if choice.kind == "plugin":
-        return not _scaler_lost(plugin, choice)
+        return not choice.new_scaler
     if family == "fsdp":
         return False
     if getattr(plugin, "precision", None) != choice.precision:
@@ -187,7 +203,7 @@ def make_plugin(
     for FSDP, its own plugin (as Lightning's connector builds for ``FSDPStrategy``)."""
     if choice.kind == "plugin":
         plugin = request.plugin
-        if _scaler_lost(plugin, choice):
+        if choice.new_scaler:
             plugin.scaler = _scaler_again(plugin.scaler, choice.device)
         return plugin
     if family == "fsdp":
@@ -202,26 +218,15 @@ def make_plugin(
     return _plugin_class(choice.kind, plugins)()
 
 
-def _scaler_lost(plugin: Any, choice: PrecisionChoice) -> bool:
-    """Whether a user's float16 plugin reached a GPU worker with its gradient scaler disabled:
-    torch disables a GradScaler made where there is no GPU (the driver), and float16 training
-    without loss scaling lets small gradients vanish."""
-    scaler = getattr(plugin, "scaler", None)
-    return (
-        choice.device == "cuda"
-        and choice.precision == "16-mixed"
-        and isinstance(scaler, GradScaler)
-        and not scaler.is_enabled()
-    )
-
-
 def _scaler_again(scaler: Any, device: str) -> Any:
     """Runs on each worker. A scaler of ``scaler``'s class (FSDP's ``ShardedGradScaler``, say)
     for ``device``, with the settings ``scaler`` was made with where it kept them (torch keeps
     none in a scaler it disabled for want of the device: torch's defaults then)."""
     settings = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
     kept = {name: getattr(scaler, f"_{name}") for name in settings if hasattr(scaler, f"_{name}")}
-    return type(scaler)(device, **kept)
+    if "device" in inspect.signature(type(scaler)).parameters:
+        kept["device"] = device  # torch.cuda.amp.GradScaler has none: CUDA's, first is init_scale
+    return type(scaler)(**kept)
 
 
 def _plugin_class(kind: Kind, plugins: Any) -> type:

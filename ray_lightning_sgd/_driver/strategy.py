@@ -303,7 +303,10 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         if not isinstance(accelerator, str):  # an Accelerator instance
             name = type(accelerator).__name__
             accelerator = {"CPUAccelerator": "cpu", "CUDAAccelerator": "cuda"}.get(name, name)
-        self._precision_request = PrecisionRequest(str(precision), plugin or own, accelerator)
+        self._precision_request = PrecisionRequest(
+            str(precision), plugin or own, accelerator,
+            made_without_cuda=not torch.cuda.is_available(),
+        )  # fmt: skip
         # FSDP's connector branch builds its own plugin from the precision as asked, before
         # Lightning adapts a precision to a CPU machine, and FSDP refuses any other plugin
         stand_in = self.precision_family == "general" and self._worker_group_config.use_gpu
