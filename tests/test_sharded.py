@@ -315,7 +315,7 @@ def test_a_two_dimensional_mesh_brings_the_weights_back_and_leaves_no_groups(ray
         [idle] = pool._idle
         counts.append(idle.executor.run(_process_groups))
     # the default group and the mesh's two, kept for the next call of the same mesh
-    assert counts[0] == counts[1] == [3, 3, 3, 3], counts  # the default group alone
+    assert counts[0] == counts[1] == [3, 3, 3, 3], counts
     pool.shutdown()  # 4 workers of half a CPU: not the settings of the next tests
 
 

@@ -33,6 +33,8 @@ class RankZeroResults(NamedTuple):
     checkpoint: tuple[Any, bool] = (None, False)
     #: Each loop's batch counts (see ``_compat.batch_counts``); None: none sent.
     batch_counts: dict[str, Any] | None = None
+    #: The model's buffers that its state dict leaves out (``persistent=False``), by name.
+    buffers: dict[str, Any] | None = None
 
 
 class RankPredictions(NamedTuple):

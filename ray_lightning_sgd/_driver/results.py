@@ -39,7 +39,7 @@ def recover_results_in_driver(
     artifacts.write(rank_zero.files)
     model = trainer.lightning_module
     if rank_zero.model_state is not None:
-        load_weights(model, unpack(rank_zero.model_state, copy=False))
+        load_weights(model, unpack(rank_zero.model_state, copy=False), rank_zero.buffers or {})
     model.trainer = trainer
     trainer.state = rank_zero.state
     trainer.should_stop = rank_zero.should_stop
@@ -80,7 +80,9 @@ def recover_results_in_driver(
     return outputs[0].results
 
 
-def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+def load_weights(
+    model: torch.nn.Module, state: dict[str, Tensor], buffers: dict[str, Tensor] | None = None
+) -> None:
     """Driver side: copies rank 0's weights into the driver's model; never silently partial.
 
     A submodule that ``configure_model`` compiled on the workers names its weights
@@ -88,7 +90,6 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
     do not match (layers a hook built or removed on the workers only) are named in a warning.
     """
     own = model.state_dict()
-    state, buffers = _split_buffers(model, state)
     if state.keys() != own.keys():
         renamed = {_compat.torch.uncompiled_name(key): value for key, value in state.items()}
         if renamed.keys() == own.keys():
@@ -116,7 +117,7 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
             stacklevel=2,
         )
     model.load_state_dict(state, strict=False)
-    for table, name, tensor in buffers:  # load_state_dict leaves them out
+    for table, name, tensor in _buffer_slots(model, buffers or {}):  # load_state_dict skips them
         held = table[name]
         if held is None or held.is_meta or held.shape != tensor.shape:
             table[name] = tensor.clone()  # an owned copy (``tensor`` views Ray's object store)
@@ -136,26 +137,22 @@ def load_weights(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
         )
 
 
-def _split_buffers(
-    model: torch.nn.Module, state: dict[str, Tensor]
-) -> tuple[dict[str, Tensor], list[tuple[dict[str, Any], str, Tensor]]]:
-    """Driver side: rank 0's weights, less the buffers that the model's state dict leaves out
-    (``persistent=False``), which come apart: each with where it goes in the driver's model."""
+def _buffer_slots(
+    model: torch.nn.Module, buffers: dict[str, Tensor]
+) -> list[tuple[dict[str, Any], str, Tensor]]:
+    """Driver side: where each of rank 0's buffers that the state dict leaves out
+    (``persistent=False``) goes in the driver's model; those it has no such buffer for (made by
+    a hook that ran on the workers only) are left out, as the state dict would leave them."""
     slots: dict[str, tuple[dict[str, Any], str]] = {}
     for path, owner in model.named_modules():
         for name in owner._non_persistent_buffers_set:
             slots[f"{path}.{name}" if path else name] = (owner._buffers, name)
-    if not slots:
-        return state, []
-    rest: dict[str, Tensor] = {}
-    buffers = []
-    for key, value in state.items():
+    found = []
+    for key, value in buffers.items():
         slot = slots.get(key) or slots.get(_compat.torch.uncompiled_name(key))
-        if slot is None:
-            rest[key] = value
-        else:
-            buffers.append((*slot, value))
-    return rest, buffers
+        if slot is not None:
+            found.append((*slot, value))
+    return found
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, Tensor]]:

@@ -343,8 +343,8 @@ def _collect_results(
     # (none with return_weights=False: the weights stay in the cluster)
     wanted = getattr(trainer.strategy, "return_weights", True)
     model_state = trainer.strategy.full_state_dict() if wanted else None  # type: ignore[attr-defined]
-    if model_state is not None:  # and the buffers the state dict leaves out (every rank too)
-        model_state = {**model_state, **trainer.strategy.non_persistent_buffers()}  # type: ignore[attr-defined]
+    # and the buffers the state dict leaves out (every rank too: a sharded one is gathered)
+    buffers = trainer.strategy.non_persistent_buffers() if wanted else None  # type: ignore[attr-defined]
     predictions = None
     if recorder is not None:
         if results is not None:
@@ -373,6 +373,7 @@ def _collect_results(
         logger_versions=logger_versions(trainer),
         checkpoint=_compat.checkpoint_selection(trainer),
         batch_counts=_compat.batch_counts(trainer),
+        buffers=None if buffers is None else to_cpu(buffers),
     )
     return WorkerOutput(to_cpu(results), rank_zero, predictions)
 
