@@ -35,8 +35,10 @@ from torch.utils.data import DataLoader
 from ray_lightning_sgd import ConfigurationError, RaySGDStrategy, _compat
 from ray_lightning_sgd._boundary.data_loader import ray_data
 from ray_lightning_sgd._boundary.datasets import DatasetShard, DatasetSplit
+from ray_lightning_sgd._driver import datasets
 from ray_lightning_sgd._executor import pool
 from ray_lightning_sgd._serialization import pack, unpack
+from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
 from ray_lightning_sgd.data import RayDataLoader
 from ray_lightning_sgd.lightning import RayDataModule as LRayDataModule
 from ray_lightning_sgd.lightning import RaySGDStrategy as LRaySGDStrategy
@@ -401,16 +403,22 @@ def test_a_rank_lost_mid_epoch_restarts_the_fit_and_the_new_attempt_splits_again
 
 
 def test_workers_that_leave_less_than_a_cpu_are_refused_before_any_actor_starts(ray_cluster):
-    """Every CPU taken, or half of one left: a read task asks a whole CPU, and none could run."""
+    """Every CPU taken, or half of one left: a read task asks a whole CPU, and none could run
+    (a materialised dataset runs none: half a CPU left is room enough for it)."""
     before = leftovers()  # idle warm workers of earlier tests
-    for workers, cpus, taken in ((2, 1.0, r"take 2 of"), (3, 0.5, r"take 1\.5 of")):
+    items = ray.data.from_items([{"id": i} for i in range(8)])
+    cases = [(2, 1.0, ray.data.range(8)), (3, 0.5, ray.data.range(8)), (2, 1.0, items)]
+    for workers, cpus, data in cases:
         strategy = RaySGDStrategy(num_workers=workers, num_cpus_per_worker=cpus)
         trainer = pl.Trainer(strategy=strategy, max_epochs=1, **_trainer_kwargs())
-        with pytest.raises(
-            ConfigurationError, match=taken + r" the cluster's 2 CPUs.*num_cpus_per_worker"
-        ):
-            trainer.fit(Recorder("."), RayDataLoader(ray.data.range(8), batch_size=4))
+        taken = f"take {workers * cpus:g} of the cluster's 2 CPUs"
+        with pytest.raises(ConfigurationError, match=taken + ".*num_cpus_per_worker"):
+            trainer.fit(Recorder("."), RayDataLoader(data, batch_size=4))
     assert leftovers() == before
+    config = WorkerGroupConfig(num_workers=3, resources_per_worker={"CPU": 0.5})
+    datasets.check_room(config, [items])  # 0.5 CPU left: enough where no task runs
+    with pytest.raises(ConfigurationError, match=r"take 1\.5 of"):
+        datasets.check_room(config, [items, ray.data.range(8)])
 
 
 @pytest.mark.skipif(

@@ -46,16 +46,23 @@ def bare_dataset(values: Sequence[Any]) -> Any:
 KEEP_FREE = {"CPU": 1.0}
 
 
-def check_room(config: WorkerGroupConfig) -> None:
+def check_room(config: WorkerGroupConfig, datasets: Sequence[Any] = ()) -> None:
     """Before an attempt's workers start: raises when they would leave the cluster less than
     one CPU, the least a read or map task of Ray Data asks by default (none could run, and the
-    call would wait forever). An elastic run counts its fewest workers: its larger sizes are
-    taken only where they leave :data:`KEEP_FREE` (``WorkerGroupConfig.keep_free``)."""
+    call would wait forever); where every dataset is materialised (``from_items``,
+    ``materialize()``: its blocks are made, no task runs), only when they leave none. An elastic
+    run counts its fewest workers: its larger sizes are taken only where they leave
+    :data:`KEEP_FREE` (``WorkerGroupConfig.keep_free``)."""
     total = float(ray.cluster_resources().get("CPU", 0.0))
     fewest = config.sizes[-1] if config.sizes else config.num_workers  # an elastic run's min
     taken = fewest * float(config.resources_per_worker.get("CPU", 0.0))
     free = total - taken
-    if free >= 1:
+    materialised = False
+    if datasets:
+        from ray.data.dataset import MaterializedDataset
+
+        materialised = all(isinstance(each, MaterializedDataset) for each in datasets)
+    if free >= 1 or (materialised and free > 0):
         return
     what = (
         f"the {fewest} workers take {taken:g} of the cluster's {total:g} CPUs, which "

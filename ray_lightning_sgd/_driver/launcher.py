@@ -254,7 +254,7 @@ class RayLauncherBase(_Base):
         feeds = (type(strategy).__name__, strategy.sharded, predicting)
         unplaced = strategy.tensor_parallel_size()  # None: "auto", known once placed
         if to_split:
-            datasets.check_room(strategy.worker_group_config)
+            datasets.check_room(strategy.worker_group_config, to_split)
             datasets.check_strategy(*feeds, unplaced)
         putter = ThreadPoolExecutor(1, thread_name_prefix="ray_lightning_sgd-put")
         shipped = putter.submit(ray.put, packed)  # the copy overlaps the workers' start
