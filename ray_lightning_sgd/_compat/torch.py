@@ -54,6 +54,17 @@ def unwrapped_name(name: str) -> str:
     return name
 
 
+def non_persistent_buffers(module: Any) -> list[tuple[str, dict[str, Any], str]]:
+    """A module's buffers that its state dict leaves out (registered with ``persistent=False``;
+    torch lists them in each submodule's ``_non_persistent_buffers_set``): each one's qualified
+    name, the table that holds it (its submodule's ``_buffers``) and its name there."""
+    return [
+        (f"{path}.{name}" if path else name, owner._buffers, name)
+        for path, owner in module.named_modules()
+        for name in sorted(owner._non_persistent_buffers_set)
+    ]
+
+
 def mesh_key(mesh: Any) -> tuple[Any, ...]:
     """Runs on each worker. What makes two device meshes alike: their device, shape, ranks and
     names, over the same default process group."""

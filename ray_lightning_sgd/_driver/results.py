@@ -143,10 +143,7 @@ def _buffer_slots(
     """Driver side: where each of rank 0's buffers that the state dict leaves out
     (``persistent=False``) goes in the driver's model; those it has no such buffer for (made by
     a hook that ran on the workers only) are left out, as the state dict would leave them."""
-    slots: dict[str, tuple[dict[str, Any], str]] = {}
-    for path, owner in model.named_modules():
-        for name in owner._non_persistent_buffers_set:
-            slots[f"{path}.{name}" if path else name] = (owner._buffers, name)
+    slots = {key: (table, name) for key, table, name in _compat.torch.non_persistent_buffers(model)}
     found = []
     for key, value in buffers.items():
         slot = slots.get(key) or slots.get(_compat.torch.uncompiled_name(key))

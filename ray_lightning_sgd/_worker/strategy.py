@@ -104,16 +104,15 @@ class OnWorkersBase(_Base):
 
         module = self.lightning_module
         found: dict[str, Any] = {}
-        for path, owner in [] if module is None else module.named_modules():
-            for name in sorted(owner._non_persistent_buffers_set):
-                tensor = owner._buffers.get(name)
-                if tensor is None:
-                    continue
-                if isinstance(tensor, DTensor):
-                    tensor = tensor.full_tensor()  # every rank alike: a collective
-                found[_compat.torch.unwrapped_name(f"{path}.{name}" if path else name)] = (
-                    tensor.detach()
-                )
+        for key, table, name in (
+            [] if module is None else _compat.torch.non_persistent_buffers(module)
+        ):
+            tensor = table.get(name)
+            if tensor is None:
+                continue
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()  # every rank alike: a collective
+            found[_compat.torch.unwrapped_name(key)] = tensor.detach()
         return found
 
 
