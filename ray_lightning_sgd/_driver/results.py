@@ -39,7 +39,7 @@ def recover_results_in_driver(
     artifacts.write(rank_zero.files)
     model = trainer.lightning_module
     if rank_zero.model_state is not None:
-        load_weights(model, unpack(rank_zero.model_state, copy=False), rank_zero.buffers or {})
+        load_weights(model, unpack(rank_zero.model_state, copy=False), rank_zero.buffers)
     model.trainer = trainer
     trainer.state = rank_zero.state
     trainer.should_stop = rank_zero.should_stop
