@@ -1,41 +1,58 @@
 """Train a digits classifier with RaySGDStrategy on an embedded local Ray instance.
 
-The data is scikit-learn's bundled 8x8 digits images (1,797 samples), so nothing is downloaded.
-Run it with ``python examples/digits.py``; it prints the test accuracy measured on the driver.
+The data is the 8x8 digits images (1,797 samples) that scikit-learn bundles, kept in
+``examples/data/digits.npz`` (``examples/data/README.md`` says where it comes from), so nothing is
+downloaded. Run it with ``python examples/digits.py``; it prints the test accuracy measured on the driver.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ray_lightning_sgd import RaySGDStrategy
 
+DIGITS = Path(__file__).resolve().parent / "data" / "digits.npz"
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 images as rows of 64 pixel values 0-16, and their labels 0-9."""
+    with np.load(DIGITS) as data:
+        return data["images"].reshape(-1, 64), data["labels"].astype(np.int64)
+
+
+def split(labels: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indices of a 70/15/15 train/validation/test split that keeps each digit's share in
+    every part (each digit's samples shuffled with ``seed``, then cut at 70% and 85%)."""
+    rng = np.random.default_rng(seed)
+    parts: tuple[list, list, list] = ([], [], [])
+    for digit in np.unique(labels):
+        samples = rng.permutation(np.flatnonzero(labels == digit))
+        cuts = np.split(samples, [round(0.7 * len(samples)), round(0.85 * len(samples))])
+        for part, taken in zip(parts, cuts, strict=True):
+            part.append(taken)
+    train, val, test = (np.sort(np.concatenate(part)) for part in parts)
+    return train, val, test
+
 
 class DigitsData(pl.LightningDataModule):
-    """scikit-learn's digits, scaled to [0, 1], split 70/15/15."""
+    """The digits, scaled to [0, 1], split 70/15/15."""
 
     def __init__(self, batch_size: int = 64) -> None:
         super().__init__()
         self.batch_size = batch_size
-        images, labels = load_digits(return_X_y=True)
+        images, labels = load_digits()
         x = torch.tensor(images / 16.0, dtype=torch.float32)
         y = torch.tensor(labels, dtype=torch.long)
-        x_train, x_rest, y_train, y_rest = train_test_split(
-            x, y, test_size=0.3, random_state=0, stratify=y
+        self.train, self.val, self.test = (
+            TensorDataset(x[rows], y[rows]) for rows in split(labels)
         )
-        x_val, x_test, y_val, y_test = train_test_split(
-            x_rest, y_rest, test_size=0.5, random_state=0, stratify=y_rest
-        )
-        self.train = TensorDataset(x_train, y_train)
-        self.val = TensorDataset(x_val, y_val)
-        self.test = TensorDataset(x_test, y_test)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train, batch_size=self.batch_size, shuffle=True)

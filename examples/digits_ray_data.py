@@ -1,7 +1,7 @@
 """The digits classifier of ``digits.py``, fed by Ray Data: parquet files, a preprocessing step on
 the cluster's CPUs, each worker streaming its share.
 
-scikit-learn's bundled digits images are written to parquet files in a temporary folder (as a
+The digits images of ``digits.py`` are written to parquet files in a temporary folder (as a
 dataset would lie on shared storage), read back with ``ray.data.read_parquet``, scaled by a
 ``map_batches`` step that runs in Ray Data's tasks, and streamed to 2 workers through
 ``RayDataModule``. Run it with ``python examples/digits_ray_data.py``; it prints the test accuracy
@@ -23,9 +23,7 @@ import pyarrow.parquet as pq
 import pytorch_lightning as pl
 import ray.data
 import torch
-from digits import DigitsClassifier
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from digits import DigitsClassifier, load_digits, split
 
 from ray_lightning_sgd import RaySGDStrategy
 from ray_lightning_sgd.data import RayDataModule, connect
@@ -34,19 +32,10 @@ from ray_lightning_sgd.data import RayDataModule, connect
 def write_parquet(folder: Path) -> dict[str, str]:
     """Writes the digits (raw pixel values 0-16), split 70/15/15, as parquet files: one folder
     a split, two files each."""
-    images, labels = load_digits(return_X_y=True)
-    x_train, x_rest, y_train, y_rest = train_test_split(
-        images, labels, test_size=0.3, random_state=0, stratify=labels
-    )
-    x_val, x_test, y_val, y_test = train_test_split(
-        x_rest, y_rest, test_size=0.5, random_state=0, stratify=y_rest
-    )
+    images, labels = load_digits()
     paths = {}
-    for name, x, y in (
-        ("train", x_train, y_train),
-        ("val", x_val, y_val),
-        ("test", x_test, y_test),
-    ):
+    for name, rows in zip(("train", "val", "test"), split(labels), strict=True):
+        x, y = images[rows], labels[rows]
         paths[name] = str(folder / name)
         Path(paths[name]).mkdir()
         for part, rows in enumerate(np.array_split(np.arange(len(y)), 2)):
@@ -95,7 +84,7 @@ def main() -> None:
         trainer.fit(model, datamodule=data)
         results = trainer.test(model, datamodule=data)
         print(f"trainer.test on the workers: {results}")
-        rows = ray.data.read_parquet(paths["test"]).map_batches(scale).take_all()  # 270 rows
+        rows = ray.data.read_parquet(paths["test"]).map_batches(scale).take_all()  # 269 rows
         x = torch.as_tensor(np.stack([r["x"] for r in rows]))
         y = torch.as_tensor(np.array([r["label"] for r in rows]))
         model.eval()
