@@ -189,6 +189,31 @@ def test_a_driver_without_gpus_keeps_the_precision_asked_for_gpu_workers(
     # Lightning's message about the driver's CPU ("Using precision='bf16-mixed' instead") is wrong
     # for GPU workers and is not shown
     assert not [w for w in caught if "not supported on CPU" in str(w.message)]
+    # init_module builds in the dtype a GPU rank 0's plugin would: a "true" precision's
+    with trainer.init_module():
+        built = torch.nn.Linear(2, 2)
+    expected = {"bf16-true": torch.bfloat16, "64-true": torch.float64}.get(precision, torch.float32)
+    assert built.weight.dtype == expected
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_driver_converts_its_model_to_the_dtype_of_a_true_precision():
+    """The dtype the driver's model ends a call in, as ``ddp``'s rank 0's plugin converts it: the
+    precision asked for, or that of a plugin the user passed."""
+    assert PrecisionRequest("bf16-true").weights_dtype() == torch.bfloat16
+    assert PrecisionRequest("16-true").weights_dtype() == torch.float16
+    assert PrecisionRequest("64-true").weights_dtype() == torch.float64
+    for kept in ("32-true", "16-mixed", "bf16-mixed", "transformer-engine"):
+        assert PrecisionRequest(kept).weights_dtype() is None
+    assert (
+        PrecisionRequest("32-true", pl.plugins.DoublePrecision()).weights_dtype() == torch.float64
+    )
+    half = pl.plugins.HalfPrecision("bf16-true")
+    assert PrecisionRequest("32-true", half).weights_dtype() == torch.bfloat16
+    assert (
+        PrecisionRequest("64-true", pl.plugins.MixedPrecision("bf16-mixed", "cpu")).weights_dtype()
+        is None
+    )
 
 
 def test_cpu_workers_get_lightnings_own_choice_and_the_request_is_kept():
@@ -271,6 +296,7 @@ def test_settings_the_workers_cannot_run_are_refused_before_any_worker_starts(ra
         ("bf16-mixed", "torch.bfloat16", "torch.float32"),
         ("16-mixed", "torch.bfloat16", "torch.float32"),  # as Lightning on a CPU
         ("64-true", "torch.float64", "torch.float64"),
+        ("bf16-true", "torch.bfloat16", "torch.bfloat16"),
     ],
 )
 def test_cpu_workers_train_in_the_precision_asked_for(ray_cluster, precision, output, weights):
@@ -286,6 +312,9 @@ def test_cpu_workers_train_in_the_precision_asked_for(ray_cluster, precision, ou
     trainer.fit(model, loader())
     assert model.seen["output"] == output
     assert model.seen["weights"] == weights
+    # the driver's model ends in the dtype rank 0 trained in, as ddp's rank 0's (its plugin
+    # converts the model in place in setup): float64 under 64-true, float32 under mixed ones
+    assert {str(p.dtype) for p in model.parameters()} == {weights}
     assert (model.seen["device"], model.seen["backend"]) == ("cpu", "gloo")
 
 

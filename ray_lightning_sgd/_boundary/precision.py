@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +36,11 @@ PRECISIONS = (
 
 Kind = Literal["full", "double", "half", "mixed", "transformer-engine", "plugin"]
 
+#: The dtype a "true" precision keeps the weights in: Lightning's plugins for these (its half,
+#: double and FSDP plugins) build the model in it under ``Trainer.init_module`` and convert the
+#: model to it in the strategy's setup, rank 0's (the driver's, under ``ddp``) among them.
+TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+
 
 @dataclass(frozen=True)
 class PrecisionRequest:
@@ -49,6 +56,11 @@ class PrecisionRequest:
     #: there, which a GPU worker then makes again (one disabled where there was a GPU stays so).
     made_without_cuda: bool = False
 
+    def weights_dtype(self) -> torch.dtype | None:
+        """The dtype the workers' plugin converts the model to (None: it keeps the model's own):
+        the driver's model ends each call in it, as ``ddp``'s rank 0's does."""
+        return TRUE_DTYPES.get(str(getattr(self.plugin, "precision", self.precision)))
+
 
 class WorkerPrecisionBase:
     """Driver side: stands in for the precision plugin that each GPU worker builds for its own
@@ -60,6 +72,25 @@ class WorkerPrecisionBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.precision!r}: built by each worker)"
+
+    # as the plugin Lightning builds on a GPU rank 0: ``Trainer.init_module`` builds the model in
+    # a "true" precision's dtype on the driver too
+    def tensor_init_context(self) -> AbstractContextManager:
+        dtype = TRUE_DTYPES.get(self.precision)
+        return nullcontext() if dtype is None else _default_dtype(dtype)
+
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ def recover_results_in_driver(
         raise WorkerGroupError("rank 0 sent no results back: the worker's half is out of step")
     artifacts.write(rank_zero.files)
     model = trainer.lightning_module
+    dtype = trainer.strategy.precision_request.weights_dtype()  # type: ignore[attr-defined]
+    if dtype is not None:  # Lightning's plugin converted rank 0's model in place in its setup
+        model.to(dtype=dtype)
     if rank_zero.model_state is not None:
         load_weights(model, unpack(rank_zero.model_state, copy=False), rank_zero.buffers)
     model.trainer = trainer
