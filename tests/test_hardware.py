@@ -171,7 +171,9 @@ def test_a_choice_for_cuda_builds_a_cuda_autocast():
     [(pl, RaySGDStrategy), (lpl, rls_lightning.RaySGDStrategy)],
     ids=["pytorch_lightning", "lightning"],
 )
-@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "bf16-true", "64-true"])
+@pytest.mark.parametrize(
+    "precision", ["16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true", "transformer-engine"]
+)
 def test_a_driver_without_gpus_keeps_the_precision_asked_for_gpu_workers(
     namespace, strategy_class, precision
 ):
@@ -192,28 +194,11 @@ def test_a_driver_without_gpus_keeps_the_precision_asked_for_gpu_workers(
     # init_module builds in the dtype a GPU rank 0's plugin would: a "true" precision's
     with trainer.init_module():
         built = torch.nn.Linear(2, 2)
-    expected = {"bf16-true": torch.bfloat16, "64-true": torch.float64}.get(precision, torch.float32)
-    assert built.weight.dtype == expected
+    expected = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+    assert built.weight.dtype == {**expected, "transformer-engine": torch.bfloat16}.get(
+        precision, torch.float32
+    )
     assert torch.get_default_dtype() == torch.float32
-
-
-def test_the_driver_converts_its_model_to_the_dtype_of_a_true_precision():
-    """The dtype the driver's model ends a call in, as ``ddp``'s rank 0's plugin converts it: the
-    precision asked for, or that of a plugin the user passed."""
-    assert PrecisionRequest("bf16-true").weights_dtype() == torch.bfloat16
-    assert PrecisionRequest("16-true").weights_dtype() == torch.float16
-    assert PrecisionRequest("64-true").weights_dtype() == torch.float64
-    for kept in ("32-true", "16-mixed", "bf16-mixed", "transformer-engine"):
-        assert PrecisionRequest(kept).weights_dtype() is None
-    assert (
-        PrecisionRequest("32-true", pl.plugins.DoublePrecision()).weights_dtype() == torch.float64
-    )
-    half = pl.plugins.HalfPrecision("bf16-true")
-    assert PrecisionRequest("32-true", half).weights_dtype() == torch.bfloat16
-    assert (
-        PrecisionRequest("64-true", pl.plugins.MixedPrecision("bf16-mixed", "cpu")).weights_dtype()
-        is None
-    )
 
 
 def test_cpu_workers_get_lightnings_own_choice_and_the_request_is_kept():

@@ -309,3 +309,35 @@ def test_meta_tensors_take_the_loaded_weights_and_those_left_are_named():
         warnings.simplefilter("error")
         load_weights(plain, state)
     assert plain.layer.weight is weight and torch.equal(weight, state["layer.weight"])
+
+
+def test_the_drivers_tensors_take_the_dtype_rank_0_trained_in():
+    """Under a "true" precision Lightning's plugin converts rank 0's model (the driver's under
+    ddp) in place: the driver's float32 tensors take rank 0's dtype, parameters staying the same
+    objects (an optimizer made on the driver keeps them), tied ones one tensor; a layer rank 0
+    kept in float32 (a hook's choice) stays so; integer buffers keep theirs."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(4, 3)
+            self.out = nn.Linear(3, 4, bias=False)
+            self.out.weight = self.embed.weight
+            self.norm = nn.LayerNorm(3)
+            self.register_buffer("scale", torch.ones(3))
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+            self.register_buffer("shift", torch.zeros(3), persistent=False)
+
+    rank_zero = Mixed().to(torch.bfloat16)
+    rank_zero.norm.float()
+    state = {k: v + 1 for k, v in rank_zero.state_dict().items()}
+    model = Mixed()
+    weight = model.embed.weight
+    load_weights(model, state, {"shift": torch.full((3,), 2.0, dtype=torch.bfloat16)})
+    assert model.embed.weight is weight and model.out.weight is weight
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight, state["embed.weight"])
+    assert model.norm.weight.dtype == torch.float32
+    assert model.scale.dtype == torch.bfloat16 and torch.equal(model.scale, state["scale"])
+    assert model.steps.dtype == torch.long
+    assert model.shift.dtype == torch.bfloat16 and torch.equal(model.shift, torch.full((3,), 2.0))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}

@@ -36,10 +36,16 @@ PRECISIONS = (
 
 Kind = Literal["full", "double", "half", "mixed", "transformer-engine", "plugin"]
 
-#: The dtype a "true" precision keeps the weights in: Lightning's plugins for these (its half,
-#: double and FSDP plugins) build the model in it under ``Trainer.init_module`` and convert the
-#: model to it in the strategy's setup, rank 0's (the driver's, under ``ddp``) among them.
-TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+#: The dtype a precision keeps the weights in, where it is not float32: Lightning's plugins for
+#: these (half, double, FSDP's, Transformer Engine's) build the model in it under
+#: ``Trainer.init_module`` and convert the model to it when a call sets up.
+WEIGHTS_DTYPES = {
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+    "64-true": torch.float64,
+    "transformer-engine": torch.bfloat16,
+    "transformer-engine-float16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -56,11 +62,6 @@ class PrecisionRequest:
     #: there, which a GPU worker then makes again (one disabled where there was a GPU stays so).
     made_without_cuda: bool = False
 
-    def weights_dtype(self) -> torch.dtype | None:
-        """The dtype the workers' plugin converts the model to (None: it keeps the model's own):
-        the driver's model ends each call in it, as ``ddp``'s rank 0's does."""
-        return TRUE_DTYPES.get(str(getattr(self.plugin, "precision", self.precision)))
-
 
 class WorkerPrecisionBase:
     """Driver side: stands in for the precision plugin that each GPU worker builds for its own
@@ -74,9 +75,9 @@ class WorkerPrecisionBase:
         return f"{type(self).__name__}({self.precision!r}: built by each worker)"
 
     # as the plugin Lightning builds on a GPU rank 0: ``Trainer.init_module`` builds the model in
-    # a "true" precision's dtype on the driver too
+    # the precision's weights dtype on the driver too
     def tensor_init_context(self) -> AbstractContextManager:
-        dtype = TRUE_DTYPES.get(self.precision)
+        dtype = WEIGHTS_DTYPES.get(self.precision)
         return nullcontext() if dtype is None else _default_dtype(dtype)
 
     def module_init_context(self) -> AbstractContextManager:

@@ -38,9 +38,6 @@ def recover_results_in_driver(
         raise WorkerGroupError("rank 0 sent no results back: the worker's half is out of step")
     artifacts.write(rank_zero.files)
     model = trainer.lightning_module
-    dtype = trainer.strategy.precision_request.weights_dtype()  # type: ignore[attr-defined]
-    if dtype is not None:  # Lightning's plugin converted rank 0's model in place in its setup
-        model.to(dtype=dtype)
     if rank_zero.model_state is not None:
         load_weights(model, unpack(rank_zero.model_state, copy=False), rank_zero.buffers)
     model.trainer = trainer
@@ -109,6 +106,7 @@ def load_weights(
     if on_meta:
         _assign(model, {key: state[key] for key in on_meta})
         state = {key: value for key, value in state.items() if key not in on_meta}
+    _take_dtypes(model, {key: value for key, value in state.items() if key not in on_meta})
     if missing or unexpected or reshaped:
         warnings.warn(
             "The weights rank 0 sent back do not fit the driver's model, so only the matching ones "
@@ -122,7 +120,7 @@ def load_weights(
     model.load_state_dict(state, strict=False)
     for table, name, tensor in _buffer_slots(model, buffers or {}):  # load_state_dict skips them
         held = table[name]
-        if held is None or held.is_meta or held.shape != tensor.shape:
+        if held is None or held.is_meta or held.shape != tensor.shape or held.dtype != tensor.dtype:
             table[name] = tensor.clone()  # an owned copy (``tensor`` views Ray's object store)
         else:
             held.copy_(tensor)
@@ -174,6 +172,27 @@ def _assign(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
         for key in others:
             alias_table, alias = _slot(model, key)
             alias_table[alias] = table[name]
+
+
+def _take_dtypes(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    """Driver side: gives the model's floating-point tensors the dtype rank 0's hold, as rank 0's
+    model is the driver's under ``ddp``: Lightning's plugin for a "true" precision (bf16-true,
+    16-true, 64-true, Transformer Engine's) converts the model in place when a call sets up,
+    and a hook may keep a layer in another dtype. Parameters stay the same objects."""
+    held = model.state_dict(keep_vars=True)
+    for key, value in state.items():
+        tensor = held.get(key)
+        if (
+            tensor is None
+            or tensor.dtype == value.dtype
+            or not (tensor.is_floating_point() and value.is_floating_point())
+        ):
+            continue  # tied weights: the second name finds the dtype taken already
+        if isinstance(tensor, torch.nn.Parameter):
+            tensor.data = tensor.data.to(value.dtype)  # as Module.to converts them
+        else:
+            table, name = _slot(model, key)
+            table[name] = tensor.to(value.dtype)
 
 
 def _slot(model: torch.nn.Module, key: str) -> tuple[dict[str, Any], str]:
