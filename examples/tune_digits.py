@@ -19,7 +19,7 @@ from ray import cloudpickle, tune
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import digits
-from digits import DigitsClassifier, DigitsData
+from digits import DigitsClassifier, DigitsData, load_digits
 
 from ray_lightning_sgd import RaySGDStrategy
 from ray_lightning_sgd.tune import TuneReportCallback
@@ -32,8 +32,9 @@ def make_strategy(num_workers: int) -> RaySGDStrategy:
     return RaySGDStrategy(num_workers=num_workers, num_cpus_per_worker=1)
 
 
-def train_digits(config: dict) -> None:
-    """One trial: the driver of a Lightning run, inside the trial's process."""
+def train_digits(config: dict, digits: tuple) -> None:
+    """One trial: the driver of a Lightning run, inside the trial's process (on any node: the
+    data comes through Ray's object store, not from this machine's disk)."""
     pl.seed_everything(0)
     trainer = pl.Trainer(
         strategy=make_strategy(config["num_workers"]),
@@ -46,14 +47,17 @@ def train_digits(config: dict) -> None:
             TuneReportCallback({"acc": "val_acc", "loss": "val_loss"}, save_checkpoints=True)
         ],
     )
-    trainer.fit(DigitsClassifier(lr=config["lr"]), datamodule=DigitsData())
+    trainer.fit(DigitsClassifier(lr=config["lr"]), datamodule=DigitsData(digits=digits))
 
 
 def tune_digits(
     lrs: list[float], num_workers: int, max_epochs: int, storage: str
 ) -> tune.ResultGrid:
     tuner = tune.Tuner(
-        tune.with_resources(train_digits, make_strategy(num_workers).tune_resources()),
+        tune.with_resources(
+            tune.with_parameters(train_digits, digits=load_digits()),
+            make_strategy(num_workers).tune_resources(),
+        ),
         param_space={
             "lr": tune.grid_search(lrs),
             "num_workers": num_workers,
