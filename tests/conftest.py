@@ -79,11 +79,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=part)  # stable: each part keeps the files' order
 
 
-#: Modules whose every test runs on a multi-node cluster of its own (``ray.cluster_utils``),
-#: mostly waiting for a node to join or to be found lost: a second pytest process runs them
-#: beside the rest, in a temporary folder of its own (its Ray, its scratch files), while the
-#: two cores would otherwise idle. Run serially with RAY_LIGHTNING_SGD_TESTS_SERIAL=1.
-BESIDE = ("tests/test_node_loss.py", "tests/test_multinode.py")
+#: Modules a second pytest process runs beside the rest, in a temporary folder of its own (its
+#: Ray, its scratch files), while the two cores would otherwise idle: those whose every test runs
+#: on a multi-node cluster of its own (``ray.cluster_utils``), mostly waiting for a node to join
+#: or to be found lost, and modules that mostly wait for other processes (drivers and a Ray
+#: Client server in subprocesses, groups that wait for room) and assert no timing. Tests that
+#: time a hang report or a failure's detection stay in the session: run beside a loaded session,
+#: their workers' start ran past the windows they time (2026-12-06).
+#: Run serially with RAY_LIGHTNING_SGD_TESTS_SERIAL=1.
+BESIDE = (
+    "tests/test_node_loss.py", "tests/test_multinode.py", "tests/test_named_runs.py",
+    "tests/test_client.py", "tests/test_cli.py", "tests/test_elastic.py",
+    "tests/test_interrupt.py", "tests/test_sharded.py", "tests/test_checkpoint_lifecycle.py",
+)  # fmt: skip
 _BESIDE_ENV = "RAY_LIGHTNING_SGD_TESTS_BESIDE"
 #: Seconds the session waits at its end (or before a test that needs the machine free of
 #: other Ray clusters) for the tests run beside it.
