@@ -341,3 +341,31 @@ def test_the_drivers_tensors_take_the_dtype_rank_0_trained_in():
     assert model.steps.dtype == torch.long
     assert model.shift.dtype == torch.bfloat16 and torch.equal(model.shift, torch.full((3,), 2.0))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+
+
+def test_a_modules_extra_state_loads_with_the_weights():
+    """A module's extra state (``get_extra_state``: any object, Transformer Engine's layers keep
+    theirs so) comes with rank 0's weights and reaches ``set_extra_state``."""
+
+    class WithExtra(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2)
+            self.extra = {"calls": 0}
+
+        def get_extra_state(self) -> dict:
+            return self.extra
+
+        def set_extra_state(self, state: dict) -> None:
+            self.extra = dict(state)
+
+    rank_zero = WithExtra()
+    rank_zero.extra = {"calls": 3}
+    state = rank_zero.state_dict()
+    assert state["_extra_state"] == {"calls": 3}
+    model = WithExtra()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_weights(model, state)
+    assert model.extra == {"calls": 3}
+    assert torch.equal(model.layer.weight, rank_zero.layer.weight)

@@ -96,17 +96,21 @@ def load_weights(
             state = renamed
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     reshaped = sorted(
-        key for key in state.keys() & own.keys() if own[key].shape != state[key].shape
+        key
+        for key in state.keys() & own.keys()
+        if isinstance(own[key], Tensor)  # a module's extra state (get_extra_state) is any object
+        and isinstance(state[key], Tensor)
+        and own[key].shape != state[key].shape
     )
     state = {key: value for key, value in state.items() if key not in reshaped}
     # a model built on the meta device (``init_module(empty_init=True)``, ``torch.device("meta")``)
     # that the workers materialised: its tensors take rank 0's (owned copies: ``state`` views
     # Ray's object store), as copying into a meta tensor does nothing
-    on_meta = [key for key in state if key in own and own[key].is_meta]
+    on_meta = [key for key in state if isinstance(own.get(key), Tensor) and own[key].is_meta]
     if on_meta:
         _assign(model, {key: state[key] for key in on_meta})
         state = {key: value for key, value in state.items() if key not in on_meta}
-    _take_dtypes(model, {key: value for key, value in state.items() if key not in on_meta})
+    _take_dtypes(model, state)
     if missing or unexpected or reshaped:
         warnings.warn(
             "The weights rank 0 sent back do not fit the driver's model, so only the matching ones "
@@ -183,7 +187,8 @@ def _take_dtypes(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
     for key, value in state.items():
         tensor = held.get(key)
         if (
-            tensor is None
+            not isinstance(tensor, Tensor)  # a module's extra state is any object
+            or not isinstance(value, Tensor)
             or tensor.dtype == value.dtype
             or not (tensor.is_floating_point() and value.is_floating_point())
         ):
