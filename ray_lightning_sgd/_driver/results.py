@@ -89,7 +89,7 @@ def load_weights(
     ``<name>._orig_mod.<...>``; they load into the driver's uncompiled submodule. Other keys that
     do not match (layers a hook built or removed on the workers only) are named in a warning.
     """
-    own = model.state_dict()
+    own = model.state_dict(keep_vars=True)  # the model's own tensors: parameters as such
     if state.keys() != own.keys():
         renamed = {_compat.torch.uncompiled_name(key): value for key, value in state.items()}
         if renamed.keys() == own.keys():
@@ -110,7 +110,7 @@ def load_weights(
     if on_meta:
         _assign(model, {key: state[key] for key in on_meta})
         state = {key: value for key, value in state.items() if key not in on_meta}
-    _take_dtypes(model, state)
+    _take_dtypes(model, own, state)  # the keys left hold the tensors ``own`` has
     if missing or unexpected or reshaped:
         warnings.warn(
             "The weights rank 0 sent back do not fit the driver's model, so only the matching ones "
@@ -178,12 +178,12 @@ def _assign(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
             alias_table[alias] = table[name]
 
 
-def _take_dtypes(model: torch.nn.Module, state: dict[str, Tensor]) -> None:
+def _take_dtypes(model: torch.nn.Module, held: dict[str, Any], state: dict[str, Tensor]) -> None:
     """Driver side: gives the model's floating-point tensors the dtype rank 0's hold, as rank 0's
     model is the driver's under ``ddp``: Lightning's plugin for a "true" precision (bf16-true,
     16-true, 64-true, Transformer Engine's) converts the model in place when a call sets up,
-    and a hook may keep a layer in another dtype. Parameters stay the same objects."""
-    held = model.state_dict(keep_vars=True)
+    and a hook may keep a layer in another dtype. Parameters stay the same objects. ``held``:
+    the model's ``state_dict(keep_vars=True)``."""
     for key, value in state.items():
         tensor = held.get(key)
         if (
