@@ -27,6 +27,7 @@ from ray_lightning_sgd import (
     WorkerTimeoutError,
 )
 from ray_lightning_sgd._driver import inbox
+from ray_lightning_sgd._serialization import Packed, in_band
 from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
 from tests.conftest import leftovers
 from tests.helpers import TinyModel, hang_reports, loader, quiet_trainer_kwargs
@@ -225,6 +226,70 @@ def test_a_worker_terminated_by_sigterm_checkpoints_at_that_step(
         (model.state_dict()[k] - v).abs().max().item() for k, v in reference.state_dict().items()
     )
     assert diff <= 1e-6, f"the restarted run's weights differ by {diff}"
+
+
+@ray.remote(num_cpus=0)
+def _once_released(packed: Packed, released: str) -> Packed:
+    """The payload, once the file ``released`` exists: a payload that takes as long to reach
+    the workers as the test wants (a large Trainer from another node takes seconds)."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(released) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return packed
+
+
+def test_a_sigterm_while_the_payload_reaches_the_worker_is_a_preemption(
+    ray_cluster, tmp_path, monkeypatch
+):
+    # the call's payload comes into being only once the test released it, after it sent rank 1
+    # SIGTERM while rank 1 waited for it: a worker in its call, not an idle one (which ends as
+    # Ray's handler ends it, a loss counted against max_failures)
+    released = str(tmp_path / "released")
+    put = ray.put
+
+    def put_late(value, **kwargs):
+        if isinstance(value, Packed):  # the launcher's payload
+            return _once_released.remote(in_band(value), released)
+        return put(value, **kwargs)
+
+    monkeypatch.setattr(ray, "put", put_late)
+    # max_preemptions=0: the fit fails at the loss, which says whether it was a preemption
+    trainer = _trainer(RaySGDStrategy(num_workers=2, max_preemptions=0), max_epochs=1)
+    launcher = trainer.strategy._launcher
+    stacks: list[str] = []
+
+    def terminate_rank_1() -> None:
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                attempt = launcher._attempt
+                if attempt is not None and attempt.refs and attempt.executor is not None:
+                    group = attempt.executor.worker_group
+                    try:  # a question put behind a call that waits for its arguments waits too
+                        stack = ray.get(group.stack_async(1), timeout=2)
+                    except ray.exceptions.GetTimeoutError:
+                        continue
+                    # rank 1 in its call, waiting for the payload
+                    if stack is not None and re.search(r"payload\.py.*in fetch", stack.text):
+                        stacks.append(stack.text)
+                        os.kill(group.metadata[1].pid, signal.SIGTERM)
+                        time.sleep(1.0)  # the worker's handler runs; the driver takes the notice
+                        return
+                time.sleep(0.05)
+        finally:
+            Path(released).touch()
+
+    thread = threading.Thread(target=terminate_rank_1, daemon=True)
+    thread.start()
+    pl.seed_everything(0)
+    try:
+        with pytest.raises(WorkerDiedError) as caught:
+            trainer.fit(TinyModel(), loader())
+    finally:
+        thread.join()
+    assert stacks, "rank 1 was never seen waiting for its payload"
+    assert caught.value.rank == 1 and caught.value.preempted, caught.value
+    assert "received SIGTERM before: counted as a preemption" in str(caught.value.__notes__)
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+import ray
 import torch
 import torch.backends.cudnn
 from torch import Tensor
 
 from ray_lightning_sgd._boundary.artifacts import Artifacts
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
+from ray_lightning_sgd._serialization import Packed
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -66,6 +68,23 @@ class Payload(NamedTuple):
     #: An elastic run that keeps its global batch: the most workers it may have (0: it does
     #: not); each worker multiplies ``accumulate_grad_batches`` by that over the world size.
     global_batch_workers: int = 0
+
+
+class Shipped(NamedTuple):
+    """The packed payload's object in Ray's object store, as each worker's call receives it.
+
+    Ray fetches the objects a task names as its own arguments before the task begins, not those
+    inside one: the worker fetches this one inside its call (:meth:`fetch`), where a SIGTERM
+    is the call's preemption notice. Fetched by Ray before the call (seconds for a large
+    Trainer on another node), a SIGTERM ended the worker as an idle one, and its loss counted
+    against ``max_failures``."""
+
+    ref: ray.ObjectRef
+
+    def fetch(self) -> Packed:
+        """Runs on each worker: the packed payload, from the object store."""
+        packed: Packed = ray.get(self.ref)
+        return packed
 
 
 @dataclass(frozen=True)

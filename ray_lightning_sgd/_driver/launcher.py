@@ -32,7 +32,7 @@ from typing_extensions import override
 from ray_lightning_sgd import _compat, _scratch
 from ray_lightning_sgd._boundary.datasets import DatasetSplit
 from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
-from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, GlobalState, Payload
+from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, GlobalState, Payload, Shipped
 from ray_lightning_sgd._boundary.results import WorkerOutput
 from ray_lightning_sgd._boundary.resume_points import ResumePoint, remove_storage_folder
 from ray_lightning_sgd._compat.flavour import Flavour
@@ -84,12 +84,12 @@ class RayLauncherBase(_Base):
         strategy: The strategy whose worker group and backend configs the launch uses.
     """
 
-    #: The worker half: what each worker runs (the packed payload, the modules to import first,
+    #: The worker half: what each worker runs (the packed payload's object, the modules to import first,
     #: the Ray Data splits, the attempt's id) and returns (its packed
     #: :class:`~ray_lightning_sgd._boundary.results.WorkerOutput`); each namespace's
     #: ``RayLauncher`` names :func:`ray_lightning_sgd._worker.entry.run_on_worker`.
     worker_half: ClassVar[
-        staticmethod[[Packed, Sequence[str], Sequence[DatasetSplit], str], Packed]
+        staticmethod[[Shipped, Sequence[str], Sequence[DatasetSplit], str], Packed]
     ]
 
     def __init__(self, strategy: StrategyView) -> None:
@@ -276,7 +276,11 @@ class RayLauncherBase(_Base):
             attempt.splits = datasets.split(to_split, placed, predicting)
             imports = (self._strategy.flavour.namespace,)
             attempt.refs = executor.run_async(
-                self.worker_half, shipped.result(), imports, attempt.splits, attempt.call_id
+                self.worker_half,
+                Shipped(shipped.result()),
+                imports,
+                attempt.splits,
+                attempt.call_id,
             )
         except BaseException:  # the controller stops only the attempts it got back
             if attempt.executor is None:  # none started

@@ -28,7 +28,7 @@ import torch.backends.cudnn
 from ray_lightning_sgd import _compat
 from ray_lightning_sgd._boundary.datasets import DatasetShard, DatasetSplit
 from ray_lightning_sgd._boundary.environment import DEBUG_ENV, RayEnvironmentBase
-from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, Payload
+from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, Payload, Shipped
 from ray_lightning_sgd._boundary.precision import (
     WorkerHardware,
     make_plugin,
@@ -89,18 +89,21 @@ class _BatchIndexRecorderBase:
 
 
 def run_on_worker(
-    packed: Packed, imports: Sequence[str], splits: Sequence[DatasetSplit], call_id: str
+    shipped: Shipped, imports: Sequence[str], splits: Sequence[DatasetSplit], call_id: str
 ) -> Packed:
     """Runs on each worker. Runs the entry point under the assigned rank and collects results.
 
-    ``imports`` are the modules the payload needs (the Trainer's Lightning namespace); they are
-    imported before the payload is unpickled, see :func:`_freeze_what_imports_built`. ``splits``
-    are the call's Ray Data datasets, which the driver set aside from the payload: this rank's
-    shard of each takes the dataset's place. ``call_id``: the attempt's id, under which the
-    outbox opens first thing (a SIGTERM while the imports run is this call's notice).
+    ``shipped``: the packed payload's object, fetched here (a SIGTERM meanwhile is this call's
+    notice, see :class:`Shipped`). ``imports`` are the modules the payload needs (the Trainer's
+    Lightning namespace); they are imported before the payload is unpickled, see
+    :func:`_freeze_what_imports_built`. ``splits`` are the call's Ray Data datasets, which the
+    driver set aside from the payload: this rank's shard of each takes the dataset's place.
+    ``call_id``: the attempt's id, under which the outbox opens first thing (a SIGTERM while the
+    imports run or the payload arrives is this call's notice).
     """
     get_outbox().open(call_id)
     _freeze_what_imports_built(imports)
+    packed = shipped.fetch()
     rank = get_worker_context().rank.global_rank
     shards = tuple(each.shard(rank) for each in splits)
     try:
