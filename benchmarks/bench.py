@@ -55,8 +55,11 @@ MODES = (
     "ray_sgd_bar",
 )
 #: Modes run only when asked for: warm workers without the SIGTERM notice exchange
-#: (``max_preemptions=0``), to show what that exchange costs.
-EXTRA_MODES = ("ray_sgd_no_preemption",)
+#: (``max_preemptions=0``), to show what that exchange costs; and ``ray_actors``, Lightning's own
+#: ``ddp`` in plain Ray actors (one a rank, started by the call, training in the actor's main
+#: thread, nothing of this package): what any launcher on Ray actors pays, against which
+#: ``ray_sgd_cold`` shows what this package adds.
+EXTRA_MODES = ("ray_sgd_no_preemption", "ray_actors")
 #: Modes that run another with Lightning's TQDM progress bar on (on the driver for ray_sgd).
 WITH_BAR = {"ddp_bar": "ddp", "ray_sgd_bar": "ray_sgd_warm"}
 #: ``--gpu``: every mode on the GPUs of this machine (one worker per GPU), in bf16-mixed.
@@ -197,6 +200,36 @@ def _ray_train_loop(config: dict) -> None:
     trainer.fit(MLP(), _loader(WORKERS))
 
 
+def _ddp_in_plain_actors(out: str) -> None:
+    """``ray_actors``: Lightning's ``ddp`` in one plain Ray actor a rank, which the call starts,
+    given its rank as torchrun gives it (environment variables); the actors train in their main
+    thread (no concurrency groups) and Lightning's own strategy runs there unchanged."""
+    import socket
+
+    import ray
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+
+    class Rank:
+        def fit(self, rank: int) -> None:
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORKERS),
+                NODE_RANK="0", LOCAL_RANK=str(rank), RANK=str(rank),
+            )  # fmt: skip
+            torch.set_num_threads(1)
+            pl.seed_everything(0)
+            trainer = pl.Trainer(strategy="ddp", devices=WORKERS, **_trainer_kwargs(out))
+            trainer.fit(MLP(), _loader(WORKERS))
+
+    actor = ray.remote(num_cpus=1, num_gpus=1 if GPU else 0)(Rank)
+    ranks = [actor.remote() for _ in range(WORKERS)]
+    ray.get([each.fit.remote(rank) for rank, each in enumerate(ranks)])
+    for each in ranks:
+        ray.kill(each)
+
+
 def run_mode(mode: str, out: str) -> None:
     """Runs one mode once in this process and writes out.driver (rank 0 writes out.rank0)."""
     torch.set_num_threads(1)
@@ -216,6 +249,10 @@ def run_mode(mode: str, out: str) -> None:
         )
         call = time.time()
         trainer.fit()
+    elif mode == "ray_actors":
+        ray_init = _init_ray()
+        call = time.time()
+        _ddp_in_plain_actors(out)
     else:
         if mode.startswith("ray_sgd"):
             RaySGDStrategy = _ray_sgd_strategy()
@@ -421,6 +458,8 @@ def main() -> None:
             print(f"repeat {repeat + 1}/{args.repeats} {mode}: {runs[mode][-1]}", file=sys.stderr)
     medians = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
     _print_table(medians, args.repeats, load_before, os.getloadavg())
+    if "ddp" in runs:
+        _print_paired(runs)
     if args.transfer_params:
         t = _in_subprocess("--transfer", args.transfer_params)
         print(
@@ -498,6 +537,22 @@ def _print_table(medians, repeats, load_before, load_after) -> None:
             cells.append(text)
         init = f"{row['ray_init']:.2f}" if row["ray_init"] else "-"
         print(f"| {mode} | " + " | ".join(cells) + f" | {init} |")
+
+
+def _print_paired(runs: dict[str, list[dict[str, float]]]) -> None:
+    """Each repeat's ratio to the ``ddp`` run of the same repeat (the runs next to each other in
+    time): medians and ranges, which a machine whose speed drifts moves less than the table's."""
+    print("\nratios to the ddp run of the same repeat: median (lowest-highest)\n")
+    print("| mode | start | step | call |")
+    print("|---|---|---|---|")
+    for mode, rows in runs.items():
+        if mode == "ddp":
+            continue
+        cells = []
+        for key in ("start", "step", "call"):
+            ratios = sorted(r[key] / d[key] for r, d in zip(rows, runs["ddp"], strict=True))
+            cells.append(f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+        print(f"| {mode} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
