@@ -131,7 +131,7 @@ def test_the_report_says_which_ranks_wait_in_a_collective_and_which_do_not():
     text = report(ended, "No rank has made progress.")
     assert "ranks whose call has ended: 1 (the others may wait for these" in text
     assert "gave no stack" not in text
-    # one whose call has not begun (its payload still on its way): no "ended" for it
+    # one whose call has not reached its worker yet: no "ended" for it
     from ray_lightning_sgd._driver.inbox import _no_call
 
     starting = [stacks[0], RankStack(1, "rank 1 of 2", None, None, _no_call(ended=False))]

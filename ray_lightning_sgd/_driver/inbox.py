@@ -547,7 +547,7 @@ def _no_call(ended: bool) -> str:
     attempt said so), or none runs there yet."""
     if ended:
         return CALL_ENDED
-    return "no call runs there yet (its arguments may still be arriving, or the worker is busy)"
+    return "no call runs there yet (the call has not reached the worker, or the worker is busy)"
 
 
 __all__ = ["OTHER_RANKS_INTERVAL_S", "PUMP_INTERVAL_S", "RunInbox"]

@@ -84,8 +84,8 @@ class RayLauncherBase(_Base):
         strategy: The strategy whose worker group and backend configs the launch uses.
     """
 
-    #: The worker half: what each worker runs (the packed payload's object, the modules to import first,
-    #: the Ray Data splits, the attempt's id) and returns (its packed
+    #: The worker half: what each worker runs (the packed payload's object, the modules to import
+    #: first, the Ray Data splits, the attempt's id) and returns (its packed
     #: :class:`~ray_lightning_sgd._boundary.results.WorkerOutput`); each namespace's
     #: ``RayLauncher`` names :func:`ray_lightning_sgd._worker.entry.run_on_worker`.
     worker_half: ClassVar[
