@@ -91,6 +91,7 @@ BESIDE = (
     "tests/test_node_loss.py", "tests/test_multinode.py", "tests/test_named_runs.py",
     "tests/test_client.py", "tests/test_cli.py", "tests/test_elastic.py",
     "tests/test_interrupt.py", "tests/test_sharded.py", "tests/test_checkpoint_lifecycle.py",
+    "tests/test_trackers.py",
 )  # fmt: skip
 _BESIDE_ENV = "RAY_LIGHTNING_SGD_TESTS_BESIDE"
 #: Seconds the session waits at its end (or before a test that needs the machine free of

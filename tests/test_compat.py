@@ -812,3 +812,68 @@ def test_lightning_keeps_the_device_mesh_where_expected(namespace):
         f"{namespace}'s ModelParallelStrategy or LightningModule no longer keep the device mesh "
         "in _device_mesh; update _compat.lightning.set_device_mesh"
     )
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_tracker_loggers_keep_their_runs_where_expected(namespace, tmp_path, monkeypatch):
+    """The private attributes of Lightning's tracker loggers that ``_compat.trackers`` reads and
+    sets (no run is made: the loggers are only built)."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    loggers = importlib.import_module(f"{namespace}.loggers")
+    trackers = _compat.trackers
+    mlflow = loggers.MLFlowLogger("e", tracking_uri="http://127.0.0.1:9")  # never reached
+    trackers.set_version(mlflow, "abc")
+    assert (mlflow._run_id, mlflow._initialized) == ("abc", False), "MLFlowLogger moved _run_id"
+    wandb = loggers.WandbLogger(project="p", save_dir=str(tmp_path), offline=True)
+    trackers.set_version(wandb, "xyz")
+    assert wandb.version == "xyz" and wandb._wandb_init["id"] == "xyz", "WandbLogger moved _id"
+    assert wandb._experiment is None, "WandbLogger moved _experiment"
+    state = trackers.portable_state(wandb)
+    assert state["_id"] == "xyz" and state["_experiment"] is None and "_attach_id" not in state
+    comet = loggers.CometLogger(project="p", online=False, offline_directory=str(tmp_path))
+    key = comet.version  # built on a process without a rank: its experiment exists
+    assert isinstance(key, str) and comet._experiment_key == key, "CometLogger moved its key"
+    assert trackers.portable_state(comet)["_experiment_key"] == key
+    trackers.set_version(comet, "0" * 32)
+    assert (comet._experiment_key, comet._experiment) == ("0" * 32, None)
+    board = loggers.TensorBoardLogger(str(tmp_path))
+    trackers.purge_later_steps(board, 7)
+    assert board._kwargs["purge_step"] == 7, "TensorBoardLogger moved the writer's _kwargs"
+    trackers.set_version(board, 3)
+    assert board.version == 3
+    assert trackers.tracked([board, loggers.CSVLogger(str(tmp_path))]) is False
+    assert trackers.tracked([mlflow]) is True
+    assert trackers.env_prefixes([wandb, mlflow, board]) == ("MLFLOW_", "WANDB_")
+
+
+class _OpenRun:
+    """Stands for a W&B run that a process holds open (pure logic: no W&B service)."""
+
+    id, name = "run-id", "run-name"
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def finish(self, exit_code: int | None = None) -> None:
+        self.finished = True
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_a_wandb_logger_travels_by_its_runs_id_never_attached(namespace, tmp_path, monkeypatch):
+    """Packed for the workers, a W&B logger whose run is open carries its id and no handle
+    (Lightning's own ``__getstate__`` would make the run attachable to this process only); the
+    driver finishes a run it holds before a call, and rank 0 resumes it by its id."""
+    from ray_lightning_sgd._serialization import pack, unpack
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    loggers = importlib.import_module(f"{namespace}.loggers")
+    logger = loggers.WandbLogger(project="p", save_dir=str(tmp_path), offline=True)
+    logger._experiment = run = _OpenRun()
+    copy = unpack(pack(logger))
+    assert type(copy) is type(logger)
+    assert copy._experiment is None and copy.version == "run-id"
+    assert not hasattr(copy, "_attach_id")
+    assert not run.finished
+    _compat.trackers.release(logger)
+    assert run.finished and logger._experiment is None
+    assert logger.version == "run-id" and logger._wandb_init["id"] == "run-id"

@@ -152,6 +152,27 @@ def test_a_workers_own_value_of_an_inherited_variable_stays_unless_the_driver_se
     assert "PL_SEED_WORKERS" not in os.environ
 
 
+def test_a_trackers_variables_reach_the_workers_where_the_trainer_logs_to_it(monkeypatch):
+    """The driver's ``WANDB_*`` (credentials, endpoint, mode) go to the workers of a Trainer
+    with a W&B logger; ``worker_env`` wins over them; variables of trackers the Trainer does
+    not log to, and a warm worker's from an earlier call, do not stay."""
+    from ray_lightning_sgd._boundary import payload
+
+    monkeypatch.setenv("WANDB_API_KEY", "driver-key")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://driver")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://driver-mlflow")
+    state = GlobalState.capture({"WANDB_BASE_URL": "http://worker"}, ("WANDB_",))
+    for key in ("WANDB_API_KEY", "WANDB_BASE_URL", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(key)  # a worker on a node without them
+    monkeypatch.setenv("WANDB_MODE", "offline")  # a warm worker's, set during an earlier call
+    monkeypatch.setattr(payload, "_started_with", {})
+    state.restore()
+    assert os.environ.get("WANDB_API_KEY") == "driver-key"
+    assert os.environ.get("WANDB_BASE_URL") == "http://worker"
+    assert "WANDB_MODE" not in os.environ
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+
+
 def test_mixed_batched_and_unbatched_columns_are_not_split_per_item():
     ranks = _distributed_batches(4, 2, 2, lambda b: (torch.tensor(b), "tag"))
     with pytest.warns(UserWarning, match="could not split predictions"):

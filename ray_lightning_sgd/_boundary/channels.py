@@ -35,10 +35,15 @@ TIMED_STEPS = 20
 #: The outbox channel of the run's latest resume point.
 RESUME = "resume"
 
+#: The outbox channel of rank 0's loggers: (each logger's ``version``, the run it writes to; by
+#: logger index, the last step it logged of each metric).
+LOGGERS = "loggers"
+
 
 __all__ = [
     "CALL",
     "EVENTS",
+    "LOGGERS",
     "OUTPUT",
     "PROGRESS",
     "RESUME",

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ray_lightning_sgd._boundary.artifacts import Artifacts
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
+from ray_lightning_sgd._compat import trackers
 from ray_lightning_sgd._serialization import Packed
 
 if TYPE_CHECKING:
@@ -27,9 +28,16 @@ FITTING, VALIDATING, TESTING, PREDICTING = "fit", "validate", "test", "predict"
 
 #: Environment variables of the driver that Lightning's spawned processes inherit and read.
 _INHERITED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
+#: The prefixes of the variables that experiment trackers read (credentials, endpoints, modes):
+#: the driver's go to the workers where the Trainer has such a tracker's logger.
+_TRACKER_PREFIXES = tuple(trackers.ENV_PREFIXES.values())
 #: On a worker: its own values of those variables before its first call (set by the job's or
 #: the actor's runtime environment, the node, a container image).
 _started_with: dict[str, str] | None = None
+
+
+def _carried(key: str, prefixes: tuple[str, ...] = _TRACKER_PREFIXES) -> bool:
+    return key in _INHERITED_ENV or key.startswith(prefixes)
 
 
 class Payload(NamedTuple):
@@ -44,6 +52,10 @@ class Payload(NamedTuple):
     call_id: str
     #: Where a restarted ``fit`` resumes from.
     resume: ResumePoint | None = None
+    #: A restarted attempt's: the runs the attempts before logged to (each of rank 0's
+    #: loggers' ``version``), and by logger index the last step each metric was logged at.
+    logger_versions: tuple[Any, ...] = ()
+    logged_steps: Mapping[int, Mapping[str, int]] | None = None
     #: Whether rank 0 sends its callback events to the driver.
     forward_events: bool = False
     #: Whether each rank notes its progress, for the driver's progress timeout and hang report.
@@ -103,11 +115,14 @@ class GlobalState:
     env: dict[str, str]
 
     @classmethod
-    def capture(cls, worker_env: Mapping[str, str] | None = None) -> GlobalState:
-        """Driver side: captures the flags, RNG states and inherited environment variables;
+    def capture(
+        cls, worker_env: Mapping[str, str] | None = None, env_prefixes: tuple[str, ...] = ()
+    ) -> GlobalState:
+        """Driver side: captures the flags, RNG states and inherited environment variables,
+        and those whose names start with ``env_prefixes`` (the trackers' the Trainer logs to);
         those that the workers' own ``worker_env`` sets keep its values there."""
-        env = {key: os.environ[key] for key in _INHERITED_ENV if key in os.environ}
-        env.update({k: v for k, v in (worker_env or {}).items() if k in _INHERITED_ENV})
+        env = {k: v for k, v in os.environ.items() if _carried(k, env_prefixes)}
+        env.update({k: v for k, v in (worker_env or {}).items() if _carried(k, env_prefixes)})
         return cls(
             use_deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
             deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -134,10 +149,10 @@ class GlobalState:
             torch.cuda.manual_seed_all(self.torch_seed)
         global _started_with
         if _started_with is None:
-            _started_with = {key: os.environ[key] for key in _INHERITED_ENV if key in os.environ}
+            _started_with = {k: v for k, v in os.environ.items() if _carried(k)}
         # a warm worker's values of an earlier call go; the worker's own stay unless the
         # driver sets the variable
-        for key in _INHERITED_ENV:
+        for key in [k for k in os.environ if _carried(k)]:
             os.environ.pop(key, None)
         os.environ.update(_started_with)
         os.environ.update(self.env)

@@ -6,7 +6,7 @@ release moves it. :mod:`.flavour` collects the public members of one Lightning n
 
 from __future__ import annotations
 
-from ray_lightning_sgd._compat import ray, torch
+from ray_lightning_sgd._compat import ray, torch, trackers
 from ray_lightning_sgd._compat.callbacks import (
     hidden_callbacks,
     hidden_callbacks_of,
@@ -33,7 +33,6 @@ from ray_lightning_sgd._compat.lightning import (
     reduce_unbuilt_lazy_instance,
     set_batch_counts,
     set_checkpoint_selection,
-    set_logger_version,
     set_profiler_state,
     shift_batch_counts,
     should_check_val_epoch,
@@ -50,6 +49,7 @@ from ray_lightning_sgd._compat.ray import bind_local_ray_to_loopback
 from ray_lightning_sgd._serialization import register_reduction
 
 register_reduction(reduce_unbuilt_lazy_instance)
+register_reduction(trackers.reduce_logger)
 
 __all__ = [
     "HPARAMS_ATTRIBUTE",
@@ -77,12 +77,12 @@ __all__ = [
     "reduce_unbuilt_lazy_instance",
     "set_batch_counts",
     "set_checkpoint_selection",
-    "set_logger_version",
     "set_profiler_state",
     "shift_batch_counts",
     "should_check_val_epoch",
     "show_as_saved_at_batch_end",
     "torch",
+    "trackers",
     "train_combined_loader",
     "train_data_fetcher",
     "trainer_arguments_being_parsed",

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from ray_lightning_sgd import _files
+from ray_lightning_sgd._compat import trackers
 
 if TYPE_CHECKING:
     # for type checkers, the standalone namespace's interface; launcher_interface gives either
@@ -51,19 +52,14 @@ class ConfigureLauncher:
         self._launcher = self.make_launcher()
 
 
-def set_logger_version(logger: Any, version: Any) -> None:
-    """Gives a driver logger the version rank 0's copy chose (CSV and TensorBoard loggers keep
-    it in ``_version``; without this, the driver's copy would pick the next free version)."""
-    if version is not None and hasattr(logger, "_version"):
-        logger._version = version
-
-
 def continue_logger(logger: Any, version: Any, before_step: int) -> None:
-    """Runs on rank 0 of a restarted attempt. The logger writes on in the folder (``version``)
-    of the attempt before, as TensorBoard's does; a CSV logger also keeps the rows that attempt
-    logged before ``before_step`` (the checkpoint's logging step: later rows are trained again),
-    which Lightning's CSV writer would delete when it starts in a folder that has them."""
-    set_logger_version(logger, version)
+    """Runs on rank 0 of a restarted attempt. The logger writes on in the folder or run
+    (``version``) of the attempt before; TensorBoard's drops what the folder holds from
+    ``before_step`` on (the checkpoint's logging step: later steps are trained again); a CSV
+    logger keeps the rows logged before it, which Lightning's CSV writer would delete when it
+    starts in a folder that has them."""
+    trackers.set_version(logger, version)
+    trackers.purge_later_steps(logger, before_step)
     if version is None or not any(cls.__name__ == "CSVLogger" for cls in type(logger).__mro__):
         return
     import csv

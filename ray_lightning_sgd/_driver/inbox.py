@@ -49,6 +49,7 @@ import ray
 
 from ray_lightning_sgd._boundary.channels import (
     EVENTS,
+    LOGGERS,
     OUTPUT,
     PROGRESS,
     RESUME,
@@ -437,6 +438,8 @@ class RunInbox:
             return  # a warm worker's previous call, or this one not yet begun
         if not mail.running:
             self._done.add(rank)  # its result waits: it makes no more progress, by right
+        if LOGGERS in mail.latest:
+            self._run.loggers_reported(*mail.latest[LOGGERS])
         if RESUME in mail.latest:
             self._run.resume_point_arrived(mail.latest[RESUME])
             # in the driver's memory now: rank 0 trains on once the next poll says so

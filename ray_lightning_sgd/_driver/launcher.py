@@ -19,6 +19,7 @@ import functools
 import itertools
 import logging
 import os
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -40,9 +41,9 @@ from ray_lightning_sgd._driver import artifacts, datasets, runs, signals
 from ray_lightning_sgd._driver import storage as _storage
 from ray_lightning_sgd._driver.checks import check_global_batch, check_trainer
 from ray_lightning_sgd._driver.inbox import PUMP_INTERVAL_S, RunInbox
-from ray_lightning_sgd._driver.packing import pack_payload
+from ray_lightning_sgd._driver.packing import pack_payload, release_logger_runs
 from ray_lightning_sgd._driver.replay import DriverReplay
-from ray_lightning_sgd._driver.results import recover_results_in_driver
+from ray_lightning_sgd._driver.results import adopt_logger_runs, recover_results_in_driver
 from ray_lightning_sgd._driver.run import Run, describe_sizes
 from ray_lightning_sgd._driver.run_config import RunConfig
 from ray_lightning_sgd._driver.scaling import GrowthPolicy, PlacementGroupProbe
@@ -54,7 +55,12 @@ from ray_lightning_sgd._executor.executor import BackendExecutor
 from ray_lightning_sgd._serialization import Packed, unpack
 from ray_lightning_sgd._worker_group import cluster, code
 from ray_lightning_sgd._worker_group.config import WorkerGroupConfig
-from ray_lightning_sgd.exceptions import ConfigurationError, WorkerDiedError, WorkerGroupError
+from ray_lightning_sgd.exceptions import (
+    ConfigurationError,
+    WorkerDiedError,
+    WorkerGroupError,
+    WorkerTimeoutError,
+)
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -71,6 +77,8 @@ log = logging.getLogger(__name__)
 _SWEEP_WAIT_S = 1.0
 #: How long rank 0 may take to remove a succeeded launch's folder of the storage.
 _REMOVE_FOLDER_WAIT_S = 60.0
+#: How long a failed attempt's rank 0 may take to end its trackers' runs before it is stopped.
+_TRACKERS_END_S = 10.0
 
 
 class RayLauncherBase(_Base):
@@ -100,6 +108,8 @@ class RayLauncherBase(_Base):
         self.run: Run | None = None
         #: The running launch's inbox (for its workers' stacks); None between launches.
         self._inbox: RunInbox | None = None
+        #: Whether the running launch's Trainer logs to an experiment tracker's run.
+        self._tracked = False
 
     @property
     @override
@@ -144,6 +154,8 @@ class RayLauncherBase(_Base):
             except BaseException as err:
                 if inbox is not None and inbox.replay is not None:
                     inbox.replay.fail(err)
+                if trainer is not None:  # Lightning's finalize("failed") follows, on these
+                    adopt_logger_runs(trainer, run.logger_versions)
                 raise
             finally:
                 self._inbox = None
@@ -156,9 +168,12 @@ class RayLauncherBase(_Base):
         """Driver side: the call as the workers receive it, less each attempt's id and resume
         point; the driver's global state captured now."""
         config, group = self._strategy.run_config, self._strategy.worker_group_config
+        loggers = [] if call.trainer is None else call.trainer.loggers
+        release_logger_runs(loggers)
+        self._tracked = _compat.trackers.tracked(loggers)
         return Payload(
             call.trainer, call.function, call.args, call.kwargs,
-            GlobalState.capture(group.worker_env),
+            GlobalState.capture(group.worker_env, _compat.trackers.env_prefixes(loggers)),
             call_id=run_id,
             forward_events=polled and bool(_driver_callbacks(call.trainer, self._strategy)),
             report_progress=polled,  # for the progress timeout and the hang report
@@ -196,7 +211,11 @@ class RayLauncherBase(_Base):
 
         def start(resume: ResumePoint | None) -> _Attempt:
             payload = template._replace(
-                call_id=f"{template.call_id}-{next(numbers)}", resume=resume
+                call_id=f"{template.call_id}-{next(numbers)}",
+                resume=resume,
+                # a restart: rank 0's loggers continue the runs the attempts before wrote
+                logger_versions=run.logger_versions,
+                logged_steps=run.logged_steps,
             )
             return self._start_attempt(payload, run, inbox, growth)
 
@@ -324,13 +343,18 @@ class RayLauncherBase(_Base):
         """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers;
         after a success, has rank 0 remove the launch's own folder of the storage."""
         executor, attempt.executor = attempt.executor, None
-        attempt.shipped, attempt.refs = None, []  # the payload may leave the object store
+        refs, attempt.shipped, attempt.refs = attempt.refs, None, []  # (the payload may go)
         self._attempt = None
         splits, attempt.splits = attempt.splits, []
         # False until rank 0 has removed the folder: a Ctrl-C during the removal (up to a
         # minute) leaves that rank 0 at it, not one to keep warm
         removed = storage_to_remove is None
         try:
+            if not succeeded and refs and self._tracked and _ended_by_a_rank():
+                # rank 0, its collective broken by the lost or failed rank, ends its trackers'
+                # runs as failed (an offline W&B run of a killed process loses what it had not
+                # written); not after an interrupt, a hang or a resize, where it trains on
+                ray.wait(refs[:1], timeout=_TRACKERS_END_S)
             datasets.close(splits)  # the workers are done with them, or about to be stopped
             if succeeded and executor is not None and storage_to_remove is not None:
                 removed = _remove_storage_folder(executor, storage_to_remove)
@@ -476,6 +500,14 @@ def _stored_resume_point(
             point.uri,
         )
     return point
+
+
+def _ended_by_a_rank() -> bool:
+    """Driver side, while an attempt stops: whether the error being handled (the controller
+    stops the attempt in its ``except``) is a rank's failure or loss, which breaks the others'
+    collectives, rather than an interrupt or a hang."""
+    err = sys.exc_info()[1]
+    return isinstance(err, Exception) and not isinstance(err, WorkerTimeoutError)
 
 
 def _inbox_for(call: _Call, strategy: StrategyView, run: Run, run_id: str) -> RunInbox | None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from ray import cloudpickle
 
+from ray_lightning_sgd import _compat
 from ray_lightning_sgd._boundary.payload import Payload
 from ray_lightning_sgd._driver.datasets import dataset_types
 from ray_lightning_sgd._serialization import Packed, pack
@@ -30,6 +31,14 @@ def pack_payload(payload: Payload) -> Packed:
             "Create it inside the LightningModule or DataModule hooks (setup, "
             "configure_model) instead, or keep it out of the objects that are sent"
         ) from err
+
+
+def release_logger_runs(loggers: list[Any]) -> None:
+    """Driver side, before a call: a tracker's run that a driver logger holds open (a W&B run
+    the user touched through ``logger.experiment``) is ended here; rank 0 continues it by its id
+    (see :mod:`ray_lightning_sgd._compat.trackers`)."""
+    for logger in loggers:
+        _compat.trackers.release(logger)
 
 
 def _find_unpicklable(

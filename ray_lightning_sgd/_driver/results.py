@@ -51,7 +51,7 @@ def recover_results_in_driver(
     restored = _restore_attributes(trainer, model, datamodule, rank_zero.attributes, datasets)
     for logger, version in zip(trainer.loggers, rank_zero.logger_versions, strict=False):
         if id(logger) not in restored:
-            _compat.set_logger_version(logger, version)
+            _compat.trackers.set_version(logger, version)
     for callback in callbacks_of(trainer):
         state = rank_zero.callback_states.get(callback.state_key)
         if state and id(callback) not in restored:
@@ -258,7 +258,7 @@ def _restore_attributes(
     ):
         if packed is not None:
             ok, state = rebuilt(packed, f"logger {index} ({type(logger).__name__})")
-            if ok and _set_state(logger, state):
+            if ok and _set_state(logger, _compat.trackers.keep_own_handle(logger, state)):
                 restored.add(id(logger))
     for owner, target, packed_attributes in (
         ("model", model, attributes.model),
@@ -301,6 +301,15 @@ class _Shared(dict[str, Any]):
 
     def __missing__(self, key: str) -> None:
         self.missing.add(key.partition(":")[2] or key)
+
+
+def adopt_logger_runs(trainer: pl.Trainer, versions: Sequence[Any]) -> None:
+    """Driver side, after a call that failed: the driver's loggers name the runs rank 0's
+    wrote to (as reported once it made them), so that Lightning's ``finalize("failed")`` that
+    follows marks those runs failed and ``trainer.logger.version`` makes no new one."""
+    for logger, version in zip(trainer.loggers, versions, strict=False):
+        _compat.trackers.set_version(logger, version)
+        _compat.trackers.attach(logger)
 
 
 def _set_state(obj: Any, state: Any) -> bool:

@@ -2,7 +2,8 @@
 
 A :class:`Run` lives as long as one launch (one call of a Trainer entry point, all its attempts).
 It holds the latest resume point (from a named run's storage at the start, then from rank 0's
-deliveries), which world size trained which epoch, the ranks of the running attempt that
+deliveries), the runs rank 0's loggers write to and the steps they logged, which world size
+trained which epoch, the ranks of the running attempt that
 received SIGTERM, and whether a lost worker counts as a preemption. The inbox delivers into it;
 the controller's scaling policy and the launcher read it; the strategy reads its world sizes.
 """
@@ -44,6 +45,10 @@ class Run:
         #: After a call: each rank's training step times in its last attempt (empty without
         #: training steps).
         self.rank_timings: list[RankTimings] = []
+        #: Each of rank 0's loggers' ``version`` (the run it writes to), once rank 0 made them.
+        self.logger_versions: tuple[Any, ...] = ()
+        #: By logger index, the last step each metric was logged at, in any attempt so far.
+        self.logged_steps: dict[int, dict[str, int]] = {}
 
     def attempt_started(self, metadata: list[WorkerMetadata]) -> None:
         """An attempt starts on these workers, from :attr:`resume`."""
@@ -58,6 +63,13 @@ class Run:
     def resume_point_arrived(self, point: ResumePoint) -> None:
         """Rank 0 delivered a new resume point (the driver's memory holds it now)."""
         self.resume = point
+
+    def loggers_reported(
+        self, versions: tuple[Any, ...], logged: dict[int, dict[str, int]]
+    ) -> None:
+        """Rank 0 named its loggers' runs and the steps they logged so far."""
+        self.logger_versions = versions
+        self.logged_steps = logged
 
     def sigterm_received(self, rank: int) -> None:
         """A worker of the running attempt received SIGTERM."""

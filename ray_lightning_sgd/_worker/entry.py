@@ -55,6 +55,7 @@ from ray_lightning_sgd._worker.output import OutputForwarder
 from ray_lightning_sgd._worker.progress import ProgressReporterBase
 from ray_lightning_sgd._worker.resume import BatchStartBase, ResumeCheckpointBase, logger_versions
 from ray_lightning_sgd._worker.resume_from import forget, materialise, resolve_on_rank_zero
+from ray_lightning_sgd._worker.trackers import LoggerReporterBase, end_runs, finalize_failed
 from ray_lightning_sgd._worker_group.context import get_worker_context
 from ray_lightning_sgd._worker_group.imports import import_modules
 from ray_lightning_sgd._worker_group.outbox import get_outbox
@@ -177,6 +178,8 @@ class _TrainerCall:
     recorder: _BatchIndexRecorderBase | None = None
     #: The local path of the resume checkpoint a restarted ``fit`` resumes from.
     resume_file: str | None = None
+    #: Rank 0's reporter of its loggers' runs (polled calls only).
+    loggers: LoggerReporterBase | None = None
 
     @property
     def forwarder(self) -> EventForwarderBase | None:
@@ -203,17 +206,21 @@ def _prepare(payload: Payload, trainer: pl.Trainer) -> _TrainerCall:
         trainer.accumulate_grad_batches *= factor
     call = _TrainerCall(trainer, flavour, global_rank, payload.args, payload.kwargs)
     _add_callbacks(payload, call)
+    resume = None
     if trainer.state.fn == FITTING and payload.resume is not None:
         # the point, or an older one if its file is gone: rank 0 decides for every rank
         device = environment.device if environment.device.type == "cuda" else None
         resume = resolve_on_rank_zero(payload.resume, device)
         call.resume_file = materialise(resume)
-        if global_rank == 0:  # the only rank whose loggers write: one folder a run
-            for logger, version in zip(trainer.loggers, resume.logger_versions, strict=False):
-                _compat.continue_logger(logger, version, resume.logged_step)
         call.args, call.kwargs = _compat.with_ckpt_path(
             payload.function, call.args, call.kwargs, call.resume_file
         )
+    if trainer.state.fn == FITTING and global_rank == 0:
+        # the only rank whose loggers write: one folder or run a fit, across its restarts (from
+        # the resume point's step on, trained again; from the start without one)
+        versions = payload.logger_versions or (() if resume is None else resume.logger_versions)
+        for logger, version in zip(trainer.loggers, versions, strict=False):
+            _compat.continue_logger(logger, version, 0 if resume is None else resume.logged_step)
     return call
 
 
@@ -230,6 +237,9 @@ def _add_callbacks(payload: Payload, call: _TrainerCall) -> None:
         call.last.append(_callback_class(flavour, EventForwarderBase)())
     if payload.report_progress:
         call.last.append(_callback_class(flavour, ProgressReporterBase)())
+        if call.global_rank == 0:
+            call.loggers = _callback_class(flavour, LoggerReporterBase)(payload.logged_steps)
+            call.first.append(call.loggers)
     fitting = trainer.state.fn == FITTING
     if fitting and (payload.resume_every_n_epochs or payload.resume_on_preemption):
         resume_callback = _callback_class(flavour, ResumeCheckpointBase)(
@@ -263,8 +273,11 @@ def _run_trainer_call(payload: Payload, call: _TrainerCall) -> Any:
     except BaseException:
         if forwarder is not None:
             forwarder.send_now()  # the driver's view gets the steps before the error
+        finalize_failed(trainer, call.global_rank)  # as Lightning's handler in each ddp process
         raise
     finally:
+        if call.loggers is not None:
+            call.loggers.unwrap()
         close_channel()
         if call.resume_file is not None and payload.resume is not None:
             forget(payload.resume, call.resume_file)  # a killed worker's copy: see _scratch.sweep
@@ -278,6 +291,8 @@ def _results_of(
     shards: tuple[DatasetShard, ...] = (),
 ) -> WorkerOutput:
     """Runs on each worker: what goes back to the driver; rank 0's with the files it wrote."""
+    if call.global_rank == 0:
+        end_runs(call.trainer)  # what the process would end at its exit under ddp
     collected = _collect_results(call.trainer, results, call.global_rank, call.recorder, shards)
     if collected.rank_zero is None:
         return collected
@@ -415,7 +430,7 @@ def _attributes(trainer: pl.Trainer, shards: tuple[DatasetShard, ...] = ()) -> A
     return Attributes(
         callbacks=[(key, state) for key, state in callbacks if state is not None],
         loggers=[
-            item(logger.__getstate__(), f"logger {type(logger).__name__}")
+            item(_compat.trackers.portable_state(logger), f"logger {type(logger).__name__}")
             for logger in trainer.loggers
         ],
         model=items(public_attributes(model), "model"),

@@ -770,3 +770,76 @@ def case_lightning_namespace(run: Run) -> None:
         lp, callbacks=[lp.callbacks.ModelCheckpoint(save_last=True)], enable_checkpointing=True
     )
     run.record("fit", trainer, model, trainer.fit(model, loader(shuffle=True)))
+
+
+@case
+def case_experiment_trackers(run: Run) -> None:
+    """Every tracker Lightning ships that runs without a network, at once, over ``fit`` and
+    ``test``: the runs they hold afterwards (MLflow's, with the checkpoints ``log_model`` logs;
+    W&B's offline runs), and whether the driver's loggers name those runs."""
+    import fcntl
+
+    import wandb
+    from mlflow.tracking import MlflowClient
+    from pytorch_lightning.loggers import (
+        CometLogger,
+        MLFlowLogger,
+        TensorBoardLogger,
+        WandbLogger,
+    )
+
+    from tests.trackers import mlflow_runs, wandb_runs
+
+    # beside the case's folder: the parity of the files a case wrote compares those in it
+    stores = run.root.with_name(f"{run.root.name}-stores")
+    uri = f"sqlite:///{stores}/mlflow.db"
+    os.environ["WANDB_SILENT"] = "true"
+    stores.mkdir(parents=True, exist_ok=True)
+    with (stores / ".lock").open("w") as lock:
+        # an MLflow client makes its sqlite store's tables when it is built: both of ddp's
+        # processes build one, and made at once they fail ("table ... already exists")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        MlflowClient(uri)
+    loggers = [
+        TensorBoardLogger(str(run.root), name="tb"),
+        MLFlowLogger("parity", tracking_uri=uri, log_model=True, artifact_location=str(stores)),
+        WandbLogger(project="parity", save_dir=str(stores), offline=True),
+        CometLogger(project="parity", online=False, offline_directory=str(stores / "comet")),
+    ]
+    pl.seed_everything(17)
+    model = Classifier()
+    trainer = run.trainer(
+        logger=loggers,
+        log_every_n_steps=1,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(monitor="val_loss")],
+    )
+    trainer.fit(model, loader(shuffle=True), loader(32))
+    run.record("fit", trainer, model)
+    run.record("test", trainer, model, trainer.test(model, loader(32)))
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        return
+    wandb.finish()  # ddp's run lives in this process until it exits
+    mlflow = mlflow_runs(uri, "parity")
+    segments = wandb_runs(stores)  # one a call here: each resumes the run by its id
+    versions = [logger.version for logger in trainer.loggers]
+    run.record_value(
+        "the driver's loggers name the runs",
+        {
+            "mlflow": [r["id"] for r in mlflow] == [versions[1]],
+            "wandb": {s["id"] for s in segments} == {versions[2]},
+            "comet": isinstance(versions[3], str) and len(versions[3]) == 32,
+        },
+    )
+    for each in mlflow:
+        # a run's id differs; the checkpoint's name holds the score ddp and we compute alike
+        each.pop("id")
+    run.record_value("mlflow", mlflow)
+    run.record_value(
+        "wandb",
+        {
+            "rows": [row for s in segments for row in s["rows"]],
+            "config": {k: v for s in segments for k, v in s["config"].items()},
+            "exit": [s["exit"] for s in segments][-1:],
+        },
+    )
