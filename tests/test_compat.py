@@ -21,6 +21,7 @@ from ray_lightning_sgd import lightning as rls_lightning
 from ray_lightning_sgd import pytorch_lightning as rls_pl
 from ray_lightning_sgd._compat import ray as _compat_ray
 from ray_lightning_sgd._compat.callbacks import _CALLBACK_DISPATCH
+from tests.trackers import offline_comet_logger
 
 NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
 
@@ -830,10 +831,11 @@ def test_tracker_loggers_keep_their_runs_where_expected(namespace, tmp_path, mon
     assert wandb._experiment is None, "WandbLogger moved _experiment"
     state = trackers.portable_state(wandb)
     assert state["_id"] == "xyz" and state["_experiment"] is None and "_attach_id" not in state
-    comet = loggers.CometLogger(project="p", online=False, offline_directory=str(tmp_path))
-    key = comet.version  # built on a process without a rank: its experiment exists
-    assert isinstance(key, str) and comet._experiment_key == key, "CometLogger moved its key"
-    assert trackers.portable_state(comet)["_experiment_key"] == key
+    comet = offline_comet_logger(loggers, tmp_path, "p")
+    assert hasattr(comet, "_experiment_key"), "CometLogger moved _experiment_key"
+    comet._experiment = _OpenRun()  # an experiment this process holds
+    state = trackers.portable_state(comet)
+    assert state["_experiment_key"] == "run-id" and state["_experiment"] is None
     trackers.set_version(comet, "0" * 32)
     assert (comet._experiment_key, comet._experiment) == ("0" * 32, None)
     board = loggers.TensorBoardLogger(str(tmp_path))
@@ -853,6 +855,9 @@ class _OpenRun:
 
     def __init__(self) -> None:
         self.finished = False
+
+    def get_key(self) -> str:  # as a Comet experiment names itself
+        return self.id
 
     def finish(self, exit_code: int | None = None) -> None:
         self.finished = True

@@ -155,3 +155,15 @@ def mlflow_server(folder: Path) -> Iterator[str]:
             os.killpg(server.pid, 9)
             server.wait()
         log.close()
+
+
+def offline_comet_logger(loggers: Any, folder: Path, project: str) -> Any:
+    """A ``CometLogger`` of the ``loggers`` module that needs no network, built as its release
+    takes it: Lightning 2.6's ``online=False`` (an experiment it disables), 2.5's ``save_dir``
+    (an offline experiment that writes an archive)."""
+    import inspect
+
+    cls = loggers.CometLogger
+    if "online" in inspect.signature(cls).parameters:
+        return cls(project=project, online=False, offline_directory=str(folder))
+    return cls(project_name=project, save_dir=str(folder))

@@ -781,14 +781,9 @@ def case_experiment_trackers(run: Run) -> None:
 
     import wandb
     from mlflow.tracking import MlflowClient
-    from pytorch_lightning.loggers import (
-        CometLogger,
-        MLFlowLogger,
-        TensorBoardLogger,
-        WandbLogger,
-    )
+    from pytorch_lightning.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 
-    from tests.trackers import mlflow_runs, wandb_runs
+    from tests.trackers import mlflow_runs, offline_comet_logger, wandb_runs
 
     # beside the case's folder: the parity of the files a case wrote compares those in it
     stores = run.root.with_name(f"{run.root.name}-stores")
@@ -804,7 +799,7 @@ def case_experiment_trackers(run: Run) -> None:
         TensorBoardLogger(str(run.root), name="tb"),
         MLFlowLogger("parity", tracking_uri=uri, log_model=True, artifact_location=str(stores)),
         WandbLogger(project="parity", save_dir=str(stores), offline=True),
-        CometLogger(project="parity", online=False, offline_directory=str(stores / "comet")),
+        offline_comet_logger(pl.loggers, stores / "comet", "parity"),
     ]
     pl.seed_everything(17)
     model = Classifier()
