@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from tests.conftest import leftovers
+from tests.trackers import mlflow_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +37,10 @@ class Slow(TinyModel):
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
 # a process started in the background inherits SIGINT ignored; a terminal's Ctrl-C is not
 signal.signal(signal.SIGINT, signal.default_int_handler)
+# the run an MLflow logger made on rank 0 ends FAILED, as ddp's handler leaves it on Ctrl-C
+logger = pl.loggers.MLFlowLogger("interrupted", tracking_uri=sys.argv[2])
 trainer = pl.Trainer(strategy=RaySGDStrategy(num_workers=2), max_epochs=100,
-                     enable_progress_bar=False, logger=False, enable_checkpointing=False)
+                     enable_progress_bar=False, logger=logger, enable_checkpointing=False)
 try:
     trainer.fit(Slow(sys.argv[1]), loader())
 except SystemExit:
@@ -52,6 +55,7 @@ except SystemExit:
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_driver_stops_every_worker(free_cluster, tmp_path, signum):
     started = tmp_path / "started"
+    mlflow = f"sqlite:///{tmp_path}/mlflow.db"
     env = dict(os.environ)
     env.update(
         RAY_ADDRESS=ray.get_runtime_context().gcs_address,
@@ -59,7 +63,7 @@ def test_a_signal_to_the_driver_stops_every_worker(free_cluster, tmp_path, signu
         PYTHONPATH=str(ROOT),
     )
     driver = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(DRIVER), str(started)],
+        [sys.executable, "-c", textwrap.dedent(DRIVER), str(started), mlflow],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -102,6 +106,7 @@ def test_a_signal_to_the_driver_stops_every_worker(free_cluster, tmp_path, signu
         while leftovers() != ([], []) and time.monotonic() - start < 10:
             time.sleep(0.2)
         assert leftovers() == ([], []), "the interrupted driver left workers running"
+        assert [run["status"] for run in mlflow_runs(mlflow, "interrupted")] == ["FAILED"]
     finally:
         if driver.poll() is None:
             driver.kill()
