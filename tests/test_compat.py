@@ -823,9 +823,11 @@ def test_tracker_loggers_keep_their_runs_where_expected(namespace, tmp_path, mon
     loggers = importlib.import_module(f"{namespace}.loggers")
     trackers = _compat.trackers
     mlflow = loggers.MLFlowLogger("e", tracking_uri="http://127.0.0.1:9")  # never reached
+    assert {"_run_id", "_initialized"} <= set(vars(mlflow)), "MLFlowLogger moved its run's id"
     trackers.set_version(mlflow, "abc")
     assert (mlflow._run_id, mlflow._initialized) == ("abc", False), "MLFlowLogger moved _run_id"
     wandb = loggers.WandbLogger(project="p", save_dir=str(tmp_path), offline=True)
+    assert {"_id", "_wandb_init", "_experiment"} <= set(vars(wandb)), "WandbLogger moved its id"
     trackers.set_version(wandb, "xyz")
     assert wandb.version == "xyz" and wandb._wandb_init["id"] == "xyz", "WandbLogger moved _id"
     assert wandb._experiment is None, "WandbLogger moved _experiment"
@@ -839,8 +841,11 @@ def test_tracker_loggers_keep_their_runs_where_expected(namespace, tmp_path, mon
     trackers.set_version(comet, "0" * 32)
     assert (comet._experiment_key, comet._experiment) == ("0" * 32, None)
     board = loggers.TensorBoardLogger(str(tmp_path))
+    assert {"_kwargs", "_version", "_experiment"} <= set(vars(board)), "TensorBoardLogger moved"
     trackers.purge_later_steps(board, 7)
-    assert board._kwargs["purge_step"] == 7, "TensorBoardLogger moved the writer's _kwargs"
+    assert board._kwargs["purge_step"] == 7
+    # the purge is the restarted fit's own: the driver's copy, and a later call's, have none
+    assert "purge_step" not in trackers.portable_state(board)["_kwargs"]
     trackers.set_version(board, 3)
     assert board.version == 3
     assert trackers.tracked([board, loggers.CSVLogger(str(tmp_path))]) is False
@@ -882,3 +887,10 @@ def test_a_wandb_logger_travels_by_its_runs_id_never_attached(namespace, tmp_pat
     _compat.trackers.release(logger)
     assert run.finished and logger._experiment is None
     assert logger.version == "run-id" and logger._wandb_init["id"] == "run-id"
+    # a run the user started (wandb.init before the logger: Lightning logs to wandb.run)
+    import wandb as wandb_module
+
+    other = loggers.WandbLogger(project="p", save_dir=str(tmp_path), offline=True)
+    monkeypatch.setattr(wandb_module, "run", user_run := _OpenRun())
+    _compat.trackers.release(other)
+    assert user_run.finished and other.version == "run-id"

@@ -18,6 +18,7 @@ class FakeExecutor:
     def __init__(self, number: int) -> None:
         self.number = number
         self.stopped: bool | None = None  # True: kept warm, False: killed
+        self.stopped_by: BaseException | None = None  # the error that ended its attempt
 
 
 #: A script's entry for a wait that ends with the workers still running.
@@ -50,8 +51,11 @@ class Script:
             raise outcome
         return None if outcome is RUNNING else outcome
 
-    def stop(self, executor: FakeExecutor, succeeded: bool) -> None:
+    def stop(
+        self, executor: FakeExecutor, succeeded: bool, error: BaseException | None = None
+    ) -> None:
         executor.stopped = succeeded
+        executor.stopped_by = error
         if self.stop_error is not None:
             raise self.stop_error
 
@@ -110,6 +114,11 @@ def test_a_lost_worker_restarts_and_the_next_attempt_resumes():
     assert script.resumed_from == [None, "epoch 1", "epoch 3"]
     # a failed attempt's workers are killed, never kept; each attempt has new ones
     assert [e.stopped for e in script.executors] == [False, False, True]
+    # each stop is told what ended the attempt (the launcher lets a rank 0 whose collective
+    # broke with a lost worker end its trackers' runs)
+    assert [type(e.stopped_by).__name__ for e in script.executors] == [
+        "WorkerDiedError", "WorkerDiedError", "NoneType",
+    ]  # fmt: skip
     assert [(failures, point) for _, failures, point in restarts] == [
         (1, "epoch 1"),
         (2, "epoch 3"),
@@ -222,6 +231,7 @@ def test_a_resize_restarts_from_its_resume_point_without_counting_a_failure():
     assert script.resumed_from == [None, "epoch 3", "epoch 4", "epoch 6"]
     # a resized attempt's workers are stopped, not kept: the next one starts other workers
     assert [e.stopped for e in script.executors] == [False, False, False, True]
+    assert [e.stopped_by is None for e in script.executors] == [True, False, True, True]
     assert [(type(cause).__name__, count) for cause, count, _ in restarts] == [
         ("Resize", 1),
         ("WorkerDiedError", 1),

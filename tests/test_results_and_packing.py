@@ -161,7 +161,9 @@ def test_a_trackers_variables_reach_the_workers_where_the_trainer_logs_to_it(mon
     monkeypatch.setenv("WANDB_API_KEY", "driver-key")
     monkeypatch.setenv("WANDB_BASE_URL", "http://driver")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://driver-mlflow")
+    monkeypatch.setenv("WANDB_SERVICE", "driver-service")  # the driver's own process's
     state = GlobalState.capture({"WANDB_BASE_URL": "http://worker"}, ("WANDB_",))
+    assert "WANDB_SERVICE" not in state.env
     for key in ("WANDB_API_KEY", "WANDB_BASE_URL", "MLFLOW_TRACKING_URI"):
         monkeypatch.delenv(key)  # a worker on a node without them
     monkeypatch.setenv("WANDB_MODE", "offline")  # a warm worker's, set during an earlier call

@@ -37,6 +37,8 @@ _started_with: dict[str, str] | None = None
 
 
 def _carried(key: str, prefixes: tuple[str, ...] = _TRACKER_PREFIXES) -> bool:
+    if key in trackers.ENV_NOT_CARRIED:
+        return False
     return key in _INHERITED_ENV or key.startswith(prefixes)
 
 

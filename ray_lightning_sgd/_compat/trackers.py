@@ -13,6 +13,7 @@ a test in ``tests/test_compat.py``.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,9 @@ ENV_PREFIXES = {
     "CometLogger": "COMET_",
     "NeptuneLogger": "NEPTUNE_",
 }
+#: Variables with those prefixes that name something of the driver's process only: W&B's
+#: service, which a worker on another node cannot reach.
+ENV_NOT_CARRIED = ("WANDB_SERVICE",)
 
 
 def _kind(logger: Any) -> str | None:
@@ -78,6 +82,21 @@ def set_version(logger: Any, version: Any) -> None:
         logger._version = version
 
 
+def known_version(logger: Any) -> Any:
+    """The run ``logger`` writes to, where it made or was given one, without making one (its
+    ``version`` may make the run); None where it has none yet."""
+    kind = _kind(logger)
+    if kind == "MLFlowLogger":
+        return logger._run_id
+    if kind == "WandbLogger":
+        return logger._experiment.id if logger._experiment is not None else logger._id
+    if kind == "CometLogger":
+        return logger._experiment_key
+    if kind in ("CSVLogger", "TensorBoardLogger"):
+        return logger._version
+    return logger.version  # a user's logger: its version is its run's name
+
+
 def attach(logger: Any) -> None:
     """Driver side, after a call that failed: an MLflow logger named a run it has not fetched
     yet (:func:`set_version`); fetched now, Lightning's ``finalize("failed")`` marks it failed
@@ -96,8 +115,13 @@ def release(logger: Any) -> None:
     ``logger.experiment``) is finished here, and rank 0 resumes it by its id. Lightning's own
     pickling of a W&B logger would instead have rank 0 attach to the driver's W&B service,
     which a Ray actor cannot reach."""
-    if _kind(logger) == "WandbLogger" and logger._experiment is not None:
-        run = logger._experiment
+    if _kind(logger) != "WandbLogger":
+        return
+    # the run Lightning's logger would log to here: its own, or one the user started
+    # (``wandb.init`` before the logger: Lightning reuses ``wandb.run``)
+    wandb = sys.modules.get("wandb")
+    run = logger._experiment or getattr(wandb, "run", None)
+    if run is not None:
         set_version(logger, run.id)
         logger._name = run.name
         run.finish()
@@ -127,6 +151,12 @@ def portable_state(logger: Any) -> Any:
     own ``__getstate__`` makes a run in this process for another process to attach to; a Comet
     logger's forgets its experiment's key once the experiment ended."""
     kind = _kind(logger)
+    if kind == "TensorBoardLogger":
+        # a restarted fit's purge (see purge_later_steps) is for its own writer only: a later
+        # call's writer in that folder would hide the fit's steps from it on
+        state = logger.__getstate__()
+        kwargs = {k: v for k, v in state.get("_kwargs", {}).items() if k != "purge_step"}
+        return {**state, "_kwargs": kwargs}
     if kind not in ("WandbLogger", "CometLogger"):
         return logger.__getstate__()
     state = dict(vars(logger))
@@ -180,11 +210,13 @@ def replaces_later_steps(logger: Any) -> bool:
 
 
 __all__ = [
+    "ENV_NOT_CARRIED",
     "ENV_PREFIXES",
     "attach",
     "end_run",
     "env_prefixes",
     "keep_own_handle",
+    "known_version",
     "portable_state",
     "purge_later_steps",
     "reduce_logger",

@@ -19,7 +19,6 @@ import functools
 import itertools
 import logging
 import os
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -59,7 +58,6 @@ from ray_lightning_sgd.exceptions import (
     ConfigurationError,
     WorkerDiedError,
     WorkerGroupError,
-    WorkerTimeoutError,
 )
 
 if TYPE_CHECKING:
@@ -78,7 +76,7 @@ _SWEEP_WAIT_S = 1.0
 #: How long rank 0 may take to remove a succeeded launch's folder of the storage.
 _REMOVE_FOLDER_WAIT_S = 60.0
 #: How long a failed attempt's rank 0 may take to end its trackers' runs before it is stopped.
-_TRACKERS_END_S = 10.0
+_TRACKERS_END_S = 20.0
 
 
 class RayLauncherBase(_Base):
@@ -226,8 +224,8 @@ class RayLauncherBase(_Base):
             Attempts(
                 start=start,
                 wait=functools.partial(self._wait, run=run, inbox=inbox),
-                stop=functools.partial(
-                    self._stop_attempt, run=run, inbox=inbox, storage_to_remove=own_folder
+                stop=lambda attempt, succeeded, error: self._stop_attempt(
+                    attempt, succeeded, run, inbox, own_folder, error=error
                 ),
                 resume_point=lambda: run.resume if call.fitting and inbox is not None else None,
             ),
@@ -339,9 +337,11 @@ class RayLauncherBase(_Base):
         run: Run,
         inbox: RunInbox | None,
         storage_to_remove: str | None = None,
+        error: BaseException | None = None,
     ) -> None:
         """Driver side: keeps (after a success, with ``reuse_workers``) or stops the workers;
-        after a success, has rank 0 remove the launch's own folder of the storage."""
+        after a success, has rank 0 remove the launch's own folder of the storage. ``error``:
+        what ended the attempt, if anything did."""
         executor, attempt.executor = attempt.executor, None
         refs, attempt.shipped, attempt.refs = attempt.refs, None, []  # (the payload may go)
         self._attempt = None
@@ -350,10 +350,11 @@ class RayLauncherBase(_Base):
         # minute) leaves that rank 0 at it, not one to keep warm
         removed = storage_to_remove is None
         try:
-            if not succeeded and refs and self._tracked and _ended_by_a_rank():
-                # rank 0, its collective broken by the lost or failed rank, ends its trackers'
-                # runs as failed (an offline W&B run of a killed process loses what it had not
-                # written); not after an interrupt, a hang or a resize, where it trains on
+            if isinstance(error, WorkerDiedError) and refs and self._tracked:
+                # rank 0, its collective broken by the lost process, ends its trackers' runs
+                # as failed (an offline W&B run of a killed process loses what it had not
+                # written); not after a rank's error (its process lives: the collective waits)
+                # nor an interrupt, a hang or a resize, where rank 0 trains on
                 ray.wait(refs[:1], timeout=_TRACKERS_END_S)
             datasets.close(splits)  # the workers are done with them, or about to be stopped
             if succeeded and executor is not None and storage_to_remove is not None:
@@ -500,14 +501,6 @@ def _stored_resume_point(
             point.uri,
         )
     return point
-
-
-def _ended_by_a_rank() -> bool:
-    """Driver side, while an attempt stops: whether the error being handled (the controller
-    stops the attempt in its ``except``) is a rank's failure or loss, which breaks the others'
-    collectives, rather than an interrupt or a hang."""
-    err = sys.exc_info()[1]
-    return isinstance(err, Exception) and not isinstance(err, WorkerTimeoutError)
 
 
 def _inbox_for(call: _Call, strategy: StrategyView, run: Run, run_id: str) -> RunInbox | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -20,6 +21,8 @@ from ray_lightning_sgd.exceptions import WorkerGroupError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
+
+log = logging.getLogger(__name__)
 
 
 def recover_results_in_driver(
@@ -308,8 +311,11 @@ def adopt_logger_runs(trainer: pl.Trainer, versions: Sequence[Any]) -> None:
     wrote to (as reported once it made them), so that Lightning's ``finalize("failed")`` that
     follows marks those runs failed and ``trainer.logger.version`` makes no new one."""
     for logger, version in zip(trainer.loggers, versions, strict=False):
-        _compat.trackers.set_version(logger, version)
-        _compat.trackers.attach(logger)
+        try:
+            _compat.trackers.set_version(logger, version)
+            _compat.trackers.attach(logger)
+        except Exception as err:  # noqa: BLE001  (the call's own error is the one to raise)
+            log.warning("The driver's %s cannot name rank 0's run: %r", type(logger).__name__, err)
 
 
 def _set_state(obj: Any, state: Any) -> bool:

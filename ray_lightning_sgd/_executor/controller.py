@@ -88,14 +88,15 @@ class Attempts(Generic[E, R, P]):
             point (None: from the start), and sends it the call.
         wait: Waits for the attempt's results up to the given seconds (None: until they are
             in); returns them, or None while the workers still run; raises what ended it.
-        stop: Stops the executor, or keeps it warm when the attempt succeeded (the flag).
+        stop: Stops the executor, or keeps it warm when the attempt succeeded (the flag); told
+            the error that ended the attempt, or None.
         resume_point: After a lost worker or a resize, where the next attempt resumes from
             (None: the start).
     """
 
     start: Callable[[P | None], E]
     wait: Callable[[E, float | None], R | None]
-    stop: Callable[[E, bool], None]
+    stop: Callable[[E, bool, BaseException | None], None]
     resume_point: Callable[[], P | None]
 
 
@@ -238,7 +239,7 @@ class RunController(Generic[E, R, P]):
         self, executor: E, succeeded: bool, error: BaseException | None, after: str = "call"
     ) -> None:
         try:
-            self._attempts.stop(executor, succeeded)
+            self._attempts.stop(executor, succeeded, error)
         except Exception as stop_error:
             if error is not None:
                 # the error that ended the attempt is the one worth raising

@@ -273,7 +273,8 @@ def _run_trainer_call(payload: Payload, call: _TrainerCall) -> Any:
     except BaseException:
         if forwarder is not None:
             forwarder.send_now()  # the driver's view gets the steps before the error
-        finalize_failed(trainer, call.global_rank)  # as Lightning's handler in each ddp process
+        # as Lightning's handler in each ddp process
+        finalize_failed(trainer, call.global_rank, call.loggers)
         raise
     finally:
         if call.loggers is not None:

@@ -80,6 +80,13 @@ class LoggerReporterBase:
         logger.log_metrics = log_metrics
         self._wrapped.append(logger)
 
+    def report_before_setup(self, trainer: pl.Trainer) -> None:
+        """The call failed before this callback's ``setup`` (a datamodule's ``setup``, the
+        barrier before it): the runs Lightning made already are reported all the same."""
+        if not self._versions:
+            self._versions = tuple(trackers.known_version(lg) for lg in trainer.loggers)
+            self._report()
+
     def _report(self) -> None:
         get_outbox().put_latest(
             LOGGERS, (self._versions, {i: dict(steps) for i, steps in self._logged.items()})
@@ -92,10 +99,18 @@ def trainers_replace(logger: Any) -> bool:
     return trackers.replaces_later_steps(logger)
 
 
-def finalize_failed(trainer: pl.Trainer, global_rank: int) -> None:
+def finalize_failed(
+    trainer: pl.Trainer, global_rank: int, reporter: LoggerReporterBase | None = None
+) -> None:
     """Runs on each worker whose call failed: the loggers' ``finalize("failed")``, as
     Lightning's interrupt handling runs it in each ``ddp`` process, and rank 0's runs ended as
-    failed. A logger that fails here is logged: the call's own error is the one that counts."""
+    failed (and reported, ``reporter``, if the call failed before it did). A logger that fails
+    here is logged: the call's own error is the one that counts."""
+    if reporter is not None:
+        try:
+            reporter.report_before_setup(trainer)
+        except Exception:
+            log.exception("Could not report the loggers' runs to the driver")
     for logger in trainer.loggers:
         try:
             logger.finalize("failed")
@@ -106,9 +121,13 @@ def finalize_failed(trainer: pl.Trainer, global_rank: int) -> None:
 
 
 def end_runs(trainer: pl.Trainer) -> None:
-    """Runs on rank 0 after a call that succeeded (Lightning finalized the loggers)."""
+    """Runs on rank 0 after a call that succeeded (Lightning finalized the loggers). A run that
+    fails to end is logged: the call's results stand."""
     for logger in trainer.loggers:
-        trackers.end_run(logger, failed=False)
+        try:
+            trackers.end_run(logger, failed=False)
+        except Exception:
+            log.exception("%s could not end its run", type(logger).__name__)
 
 
 __all__ = ["LoggerReporterBase", "end_runs", "finalize_failed"]

@@ -772,11 +772,43 @@ def case_lightning_namespace(run: Run) -> None:
     run.record("fit", trainer, model, trainer.fit(model, loader(shuffle=True)))
 
 
+class RecordingLogger(pl.loggers.Logger):
+    """A user's own logger: records which of its methods Lightning calls, with what (rank 0's
+    calls, as ``@rank_zero_only`` keeps them), in its state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, ...]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    @pl.utilities.rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.calls.append(("log_hyperparams", sorted(dict(params))))
+
+    @pl.utilities.rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append(("log_metrics", step, sorted(metrics)))
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        self.calls.append(("after_save_checkpoint", Path(checkpoint_callback.best_model_path).name))
+
+    def finalize(self, status: str) -> None:
+        self.calls.append(("finalize", status))
+
+
 @case
 def case_experiment_trackers(run: Run) -> None:
-    """Every tracker Lightning ships that runs without a network, at once, over ``fit`` and
-    ``test``: the runs they hold afterwards (MLflow's, with the checkpoints ``log_model`` logs;
-    W&B's offline runs), and whether the driver's loggers name those runs."""
+    """Every tracker Lightning ships that runs without a network, and a user's own logger, at
+    once, over ``fit`` and ``test``: the runs they hold afterwards (MLflow's, with the
+    checkpoints ``log_model`` logs; W&B's offline runs), whether the driver's loggers name those
+    runs, and the calls the user's logger received."""
     import fcntl
 
     import wandb
@@ -800,6 +832,7 @@ def case_experiment_trackers(run: Run) -> None:
         MLFlowLogger("parity", tracking_uri=uri, log_model=True, artifact_location=str(stores)),
         WandbLogger(project="parity", save_dir=str(stores), offline=True),
         offline_comet_logger(pl.loggers, stores / "comet", "parity"),
+        RecordingLogger(),
     ]
     pl.seed_everything(17)
     model = Classifier()
@@ -811,7 +844,9 @@ def case_experiment_trackers(run: Run) -> None:
     )
     trainer.fit(model, loader(shuffle=True), loader(32))
     run.record("fit", trainer, model)
+    run.record_value("a custom logger's calls in the fit", trainer.loggers[-1].calls)
     run.record("test", trainer, model, trainer.test(model, loader(32)))
+    run.record_value("a custom logger's calls in the test", trainer.loggers[-1].calls)
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return
     wandb.finish()  # ddp's run lives in this process until it exits
