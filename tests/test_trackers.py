@@ -36,12 +36,16 @@ def _quiet_wandb(monkeypatch):
 
 
 class _Stops(TinyModel):
-    """Exits (``os._exit``) or raises on one rank at one global step; exits once if a marker
-    file is given."""
+    """Exits (``os._exit``) or raises on one rank at one global step (-1: in ``setup``); exits
+    once if a marker file is given."""
 
     def __init__(self, rank: int, step: int, how: str, marker: str | None = None) -> None:
         super().__init__()
         self.rank, self.step, self.how, self.marker = rank, step, how, marker
+
+    def setup(self, stage: str) -> None:
+        if self.global_rank == self.rank and self.step == -1:
+            os._exit(3)
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == self.rank and self.global_step == self.step:
@@ -80,15 +84,16 @@ def _steps(history: list[tuple[int, float]]) -> list[int]:
 def test_a_fit_whose_rank_0_dies_leaves_one_failed_run_that_the_driver_names(
     ray_cluster, mlflow_uri, tmp_path
 ):
-    """Rank 0 is lost in epoch 1 (no restarts): its MLflow run is marked FAILED by the driver's
-    ``finalize("failed")``, as ``ddp``'s handler marks it; the driver's loggers name the runs
-    rank 0 wrote, and using them afterwards makes no new run."""
-    trainer, fit = _fit(_Stops(0, STEPS + 1, "exit"), mlflow_uri, "rank-0-dies", tmp_path, 2)
+    """Rank 0 is lost in the model's ``setup``, just after Lightning made its runs (no
+    restarts): its MLflow run is marked FAILED by the driver's ``finalize("failed")``, as
+    ``ddp``'s handler marks it; the driver's loggers name the runs rank 0 made, and using them
+    afterwards makes no new run. (Rank 0 waits at setup until the driver holds its runs' names:
+    without that, a rank 0 lost before the driver's next poll left them unnamed, RUNNING.)"""
+    trainer, fit = _fit(_Stops(0, -1, "exit"), mlflow_uri, "rank-0-dies", tmp_path, 1)
     with pytest.raises(WorkerDiedError):
         fit()
     (run,) = mlflow_runs(mlflow_uri, "rank-0-dies")
     assert run["status"] == "FAILED"
-    assert _steps(run["metrics"]["train_loss"]) == list(range(STEPS + 1))
     mlflow, wandb = trainer.loggers
     assert mlflow.version == run["id"]
     mlflow.log_hyperparams({"after": 1})  # the driver logs into that run

@@ -440,6 +440,8 @@ class RunInbox:
             self._done.add(rank)  # its result waits: it makes no more progress, by right
         if LOGGERS in mail.latest:
             self._run.loggers_reported(*mail.latest[LOGGERS])
+            # rank 0 waits for this at a call's setup, until the next poll says so
+            self._acknowledged.setdefault(rank, {})[LOGGERS] = mail.sequences[LOGGERS]
         if RESUME in mail.latest:
             self._run.resume_point_arrived(mail.latest[RESUME])
             # in the driver's memory now: rank 0 trains on once the next poll says so

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How long rank 0 waits, once a call, for the driver to take its loggers' runs' names.
+_DELIVERY_WAIT_S = 30.0
+
 
 class LoggerReporterBase:
     """Runs on rank 0. A callback that reports its loggers' runs and the steps they logged to
@@ -49,7 +52,16 @@ class LoggerReporterBase:
         for index, logger in enumerate(trainer.loggers):
             if not trainers_replace(logger):
                 self._wrap(index, logger)
-        self._report()
+        sequence = self._report()
+        if trackers.tracked(trainer.loggers):
+            # the driver holds the runs' names before any step: a rank 0 lost early (before
+            # the driver's next poll, up to 0.5 s) would leave its runs unnamed there, and
+            # unmarked (an MLflow run RUNNING for ever, a restart making a second one)
+            if not get_outbox().wait_delivered(LOGGERS, sequence, _DELIVERY_WAIT_S):
+                log.warning(
+                    "The driver did not take the loggers' runs within %.0fs; training goes on",
+                    _DELIVERY_WAIT_S,
+                )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.unwrap()
@@ -87,8 +99,8 @@ class LoggerReporterBase:
             self._versions = tuple(trackers.known_version(lg) for lg in trainer.loggers)
             self._report()
 
-    def _report(self) -> None:
-        get_outbox().put_latest(
+    def _report(self) -> int:
+        return get_outbox().put_latest(
             LOGGERS, (self._versions, {i: dict(steps) for i, steps in self._logged.items()})
         )
 
