@@ -5,11 +5,13 @@ tracking server), W&B's offline runs (from their run folders); and an MLflow tra
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -49,6 +51,15 @@ def mlflow_runs(uri: str, experiment: str) -> list[dict[str, Any]]:
         }
         for run in runs
     ]
+
+
+def remove_store_lock(uri: str) -> None:
+    """Removes the lock file MLflow leaves in the temporary folder for each sqlite store it
+    opened (``db_init_lock-<md5 of the store's URL>``), so that a test leaves nothing behind."""
+    from sqlalchemy.engine import make_url
+
+    name = hashlib.md5(str(make_url(uri)).encode(), usedforsecurity=False).hexdigest()
+    Path(tempfile.gettempdir(), f"db_init_lock-{name}").unlink(missing_ok=True)
 
 
 def _artifacts(client: Any, run_id: str, path: str | None = None) -> list[str]:
@@ -122,10 +133,11 @@ def mlflow_server(folder: Path) -> Iterator[str]:
     its URI while it runs; stopped, with its processes, at the end."""
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
+    store = f"sqlite:///{folder}/store.db"
     mlflow = Path(sys.executable).with_name("mlflow")
     command = [
         str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{folder}/store.db",
+        "--backend-store-uri", store,
         "--default-artifact-root", str(folder / "artifacts"),
     ]  # fmt: skip
     log = (folder / "server.log").open("w")
@@ -155,6 +167,7 @@ def mlflow_server(folder: Path) -> Iterator[str]:
             os.killpg(server.pid, 9)
             server.wait()
         log.close()
+        remove_store_lock(store)
 
 
 def offline_comet_logger(loggers: Any, folder: Path, project: str) -> Any:

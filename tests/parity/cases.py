@@ -815,7 +815,7 @@ def case_experiment_trackers(run: Run) -> None:
     from mlflow.tracking import MlflowClient
     from pytorch_lightning.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 
-    from tests.trackers import mlflow_runs, offline_comet_logger, wandb_runs
+    from tests.trackers import mlflow_runs, offline_comet_logger, remove_store_lock, wandb_runs
 
     # beside the case's folder: the parity of the files a case wrote compares those in it
     stores = run.root.with_name(f"{run.root.name}-stores")
@@ -851,6 +851,7 @@ def case_experiment_trackers(run: Run) -> None:
         return
     wandb.finish()  # ddp's run lives in this process until it exits
     mlflow = mlflow_runs(uri, "parity")
+    remove_store_lock(uri)
     segments = wandb_runs(stores)  # one a call here: each resumes the run by its id
     versions = [logger.version for logger in trainer.loggers]
     run.record_value(
