@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,10 @@ def create_folder() -> str:
         os.close(fd)
 
 
-def hold_copy(path: str, data: bytes) -> None:
-    """Makes ``path`` a file with ``data``, held by this process; the processes of a node that
-    make the same copy share one file (whoever comes first writes it whole)."""
+def hold_copy(path: str, data: bytes | Callable[[], bytes]) -> None:
+    """Makes ``path`` a file with ``data`` (or what calling it returns: called only where no
+    other process of the node made the copy yet), held by this process; the processes of a node
+    that make the same copy share one file (whoever comes first writes it whole)."""
     if path in _held:
         return
     while True:
@@ -100,6 +102,8 @@ def hold_copy(path: str, data: bytes) -> None:
                 _held[path] = fd
                 return
             os.close(fd)
+        if callable(data):
+            data = data()
         partial = create(".part")
         try:
             with open(partial, "wb") as file:
@@ -126,6 +130,11 @@ def _link(partial: str, path: str) -> None:
         if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
             raise
         os.replace(partial, path)  # no hard links here: the last one wins, each one whole
+
+
+def holds(path: str) -> bool:
+    """Whether this process holds ``path``, a file or folder of ours."""
+    return path in _held
 
 
 def release(path: str) -> None:

@@ -207,6 +207,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         shutil.rmtree(str(_beside["folder"]), ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 server (moto's) on 127.0.0.1 for the session's process: see tests/s3.py."""
+    from tests.s3 import s3_server
+
+    with s3_server() as server:
+        yield server
+
+
 @pytest.fixture
 def ray_cluster():
     """A running local Ray cluster, shared by every test that asks for it.

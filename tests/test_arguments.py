@@ -50,6 +50,10 @@ BAD_ARGUMENTS: list[tuple[str, object]] = [
     *[("checkpoint_every_n_epochs", v) for v in (0, -1, 1.5, True, "1", None)],
     *[("checkpoint_storage", v) for v in ("", "   ", 1, b"/tmp", ["x"], "s4://b/x", "a\0b")],
     *[("checkpoint_storage", v) for v in ("s3:/bucket/runs", "gs:bucket", "file:/tmp/runs")],
+    *[("checkpoint_every_n_steps", v) for v in (0, -1, 1.5, True, "10")],
+    *[("checkpoint_every_s", v) for v in (0, -5, NAN, INF, 1e15, "60", True)],
+    # not a dict of str keys; and options without the checkpoint_storage they are options of
+    *[("storage_options", v) for v in ("key=x", [("key", "x")], {1: "x"}, {"key": "x"})],
     *[("run_name", v) for v in ("", ".hidden", "a/b", 1, "x" * 200, "a b")],
     *[("keep_last", v) for v in (0, -1, 1.5, True, "2", None)],
     *[("resize_interval_s", v) for v in (0, NAN, INF, 1e15, "60", True, None)],

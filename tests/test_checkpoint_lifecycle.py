@@ -21,6 +21,7 @@ import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import pytorch_lightning as pl
@@ -111,8 +112,20 @@ def _trainer(epoch: int, size: int = 1000) -> SimpleNamespace:
 
 
 def _save(storage: Path, epoch: int, outbox: _Outbox, keep_last: int = 1, size: int = 1000):
+    """Saves as rank 0 does, and waits for the checkpoint's upload: raises what failed there."""
     callback = ResumeCheckpointBase(1, str(storage), keep_last=keep_last)
-    return callback._save(_trainer(epoch, size))  # type: ignore[arg-type]
+    return _save_with(callback, _trainer(epoch, size))
+
+
+def _save_with(callback: ResumeCheckpointBase, trainer: Any, outbox: _Outbox | None = None):
+    """Saves as rank 0 does, and waits for the checkpoint's send: raises what failed there.
+    With ``outbox``: the point as the driver receives it (with the bytes, for the driver)."""
+    point = callback._save(trainer)
+    callback.uploads.wait()
+    failure = callback.uploads.failure()
+    if failure is not None:
+        raise failure[1]
+    return point if outbox is None else outbox.points[-1]
 
 
 def _names(folder: Path) -> list[str]:
@@ -236,10 +249,11 @@ def test_older_checkpoints_go_only_once_the_driver_holds_the_new_one(
 def test_a_store_that_refuses_deletes_or_listings_keeps_the_checkpoint_and_training(
     monkeypatch, caplog
 ):
-    """On an object store fsspec's ``mv`` is a copy, then a delete of the temporary file; a
-    delete refused (a bucket without delete permission) or a listing that fails once the driver
-    holds the checkpoint (a throttled store) is a warning: the checkpoint is whole, and its
-    writer trains on (an error there would end the fit as one of user code, unretried)."""
+    """On an object store a checkpoint is uploaded straight under its name (an object appears
+    whole or not at all: no temporary name, no copy, no delete); a delete refused (a bucket
+    without delete permission) or a listing that fails once the driver holds the checkpoint (a
+    throttled store) is a warning: the checkpoint is whole, and its writer trains on (an error
+    there would end the fit as one of user code, unretried)."""
     from fsspec.implementations.memory import MemoryFileSystem
 
     storage = f"memory://runs/{os.getpid()}-{time.monotonic_ns()}"
@@ -256,19 +270,24 @@ def test_a_store_that_refuses_deletes_or_listings_keeps_the_checkpoint_and_train
         with monkeypatch.context() as patched, caplog.at_level(logging.WARNING):
             patched.setattr(MemoryFileSystem, "rm", refused)
             first = _save(storage, 0, outbox)
-            assert "Could not remove the temporary file" in caplog.text
             assert resume_points.checkpoint_problem(str(first.uri)) is None
+            _save(storage, 1, outbox)  # epoch 0's may not be deleted
+            assert "Could not delete the old resume checkpoint" in caplog.text
+            assert "AccessDenied" in caplog.text
+            filesystem, path = _files.filesystem(storage)
+            names = [str(name).rsplit("/", 1)[-1] for name in filesystem.ls(path, detail=False)]
+            assert sorted(names) == ["resume-epoch=0-step=6.ckpt", "resume-epoch=1-step=12.ckpt"]
 
             def unlisted(folder):
                 raise OSError(f"SlowDown: listing {folder}")
 
             patched.setattr(resume, "stored_points", unlisted)
-            second = _save(storage, 1, outbox)
+            second = _save(storage, 2, outbox)
             assert "Could not list" in caplog.text and "SlowDown" in caplog.text
-        assert [p.uri for p in outbox.points] == [first.uri, second.uri]
-        assert second.uri == f"{storage}/resume-epoch=1-step=12.ckpt"
+        assert [p.uri for p in outbox.points][::2] == [first.uri, second.uri]
+        assert second.uri == f"{storage}/resume-epoch=2-step=18.ckpt"
         point, damaged = newest_complete_point(storage)
-        assert point is not None and (point.epoch, damaged) == (1, [])
+        assert point is not None and (point.epoch, damaged) == (2, [])
         # the leftovers' listing before a write, refused alike: a warning, nothing removed
         caplog.clear()
         with monkeypatch.context() as patched, caplog.at_level(logging.WARNING):
@@ -310,15 +329,17 @@ def test_a_named_runs_fit_ends_with_the_checkpoint_its_next_driver_resumes_from(
 
     def fit(storage: Path, max_epochs: int, *callbacks, every: int = 2, **kwargs) -> list[str]:
         outbox.points.clear()
+        resume_callback = writer(every, str(storage), at_fit_end=named)
         trainer = pl.Trainer(
             max_epochs=max_epochs, accelerator="cpu", enable_checkpointing=False,
-            callbacks=[writer(every, str(storage), at_fit_end=named), *callbacks],
+            callbacks=[resume_callback, *callbacks],
             **quiet_trainer_kwargs(),
         )  # fmt: skip
         monkeypatch.setattr(
             trainer.strategy, "resume_checkpoints", contextlib.nullcontext, raising=False
         )
         trainer.fit(TinyModel(), loader(), **kwargs)
+        resume_callback.finish(trainer)  # as the worker's call ends: the uploads are done
         return [Path(str(point.uri)).name for point in outbox.points]
 
     # 12 batches of 8 samples a process: 12 steps an epoch
@@ -644,9 +665,10 @@ def test_a_named_run_resumes_past_a_damaged_checkpoint_as_if_never_stopped(
 
 
 def _dies_before_the_driver_holds_epoch_1s_point() -> None:
-    """An init_hook (runs on every worker as it starts): rank 0 exits, once, when epoch 1's
-    resume checkpoint is renamed into place and it waits for the driver to take it (the window
-    in which older checkpoints were deleted before the driver held the new one)."""
+    """An init_hook (runs on every worker as it starts): rank 0 exits, once, when a resume
+    checkpoint after epoch 0's (epoch 1's, or epoch 2's where it replaced epoch 1's while epoch
+    0's was sent) is renamed into place and it waits for the driver to take it (the window in
+    which older checkpoints were deleted before the driver held the new one)."""
     from ray_lightning_sgd._worker import resume as worker_resume
 
     outbox_of = worker_resume.get_outbox
@@ -661,7 +683,7 @@ def _dies_before_the_driver_holds_epoch_1s_point() -> None:
             return self._outbox.put_latest(channel, point)
 
         def wait_delivered(self, channel, sequence, timeout_s):
-            if self._point.epoch == 1 and not os.path.exists(marker):
+            if self._point.epoch >= 1 and not os.path.exists(marker):
                 assert os.path.exists(str(self._point.uri)), "not yet renamed into place"
                 open(marker, "w").close()
                 os._exit(3)
@@ -798,11 +820,12 @@ def test_an_asynchronous_writer_has_a_resume_checkpoint_whole_before_it_is_hande
     monkeypatch.setattr(
         trainer.strategy, "resume_checkpoints", contextlib.nullcontext, raising=False
     )
-    monkeypatch.setattr(resume, "get_outbox", lambda: _Outbox())
+    outbox = _Outbox()
+    monkeypatch.setattr(resume, "get_outbox", lambda: outbox)
     writer._executor = _NoThread()  # type: ignore[assignment]  (2.5 makes its own at once)
-    stored = ResumeCheckpointBase(1, str(tmp_path / "run"))._save(trainer)
+    stored = _save_with(ResumeCheckpointBase(1, str(tmp_path / "run")), trainer)
     assert torch.load(str(stored.uri), weights_only=False)["global_step"] == trainer.global_step
-    held = ResumeCheckpointBase(1, None)._save(trainer)
+    held = _save_with(ResumeCheckpointBase(1, None), trainer, outbox)
     assert held.data is not None
     assert torch.load(io.BytesIO(held.data), weights_only=False)["global_step"] > 0
     assert "save_checkpoint" not in vars(writer), "the writer stays asynchronous"

@@ -33,17 +33,37 @@ from tests.conftest import leftovers
 from tests.helpers import TinyModel, hang_reports, loader, quiet_trainer_kwargs
 
 
-class Faulty(TinyModel):
-    """Exits (os._exit) or stalls on one rank at one global step, once if ``marker`` is given."""
+def wait_for_file(pattern: str, timeout_s: float = 60) -> None:
+    """Waits until a file matches the glob ``pattern``, then 2 s more: a resume checkpoint is
+    uploaded in the background, and the driver takes its point at once after (until then a
+    lost rank restarts the fit from the point before)."""
+    import glob
 
-    def __init__(self, rank: int, step: int, how: str = "exit", marker: str | None = None):
+    deadline = time.monotonic() + timeout_s
+    while not glob.glob(pattern):
+        assert time.monotonic() < deadline, f"nothing matched {pattern} in {timeout_s}s"
+        time.sleep(0.05)
+    time.sleep(2)
+
+
+class Faulty(TinyModel):
+    """Exits (os._exit) or stalls on one rank at one global step, once if ``marker`` is given;
+    with ``after``, once a file matches that glob pattern (see :func:`wait_for_file`)."""
+
+    def __init__(
+        self, rank: int, step: int, how: str = "exit", marker: str | None = None,
+        after: str | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.fault = (rank, step, how, marker)
+        self.after = after
 
     def training_step(self, batch, batch_idx):
         rank, step, how, marker = self.fault
         if self.global_rank == rank and self.global_step == step:
             if marker is None or not os.path.exists(marker):
+                if self.after is not None:
+                    wait_for_file(self.after)
                 if marker is not None:
                     open(marker, "w").close()
                 if how == "exit":
@@ -380,7 +400,7 @@ def test_a_resume_checkpoint_in_storage(ray_cluster, tmp_path, caplog):
     logger = CSVLogger(tmp_path / "logs")
     pl.seed_everything(0)
     trainer = _trainer(strategy, logger=logger, log_every_n_steps=1)
-    model = Faulty(rank=0, step=8, marker=marker)
+    model = Faulty(rank=0, step=8, marker=marker, after=str(storage / "*" / "*epoch=0*.ckpt"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with caplog.at_level(logging.WARNING, logger="ray_lightning_sgd"):
         trainer.fit(model, loader(shuffle=True), loader(n=32))
@@ -445,6 +465,7 @@ class LostAtTheEnd(TinyModel):
         deadline = time.monotonic() + 60
         while not at_end.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        wait_for_file(str(Path(self.folder, "resume", "*", "*epoch=2*.ckpt")))
         lost.touch()
         os._exit(3)
 

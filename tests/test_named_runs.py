@@ -56,7 +56,7 @@ class StallsInEpoch(pl.Callback):
             time.sleep(300)
 
 
-def _driver(storage: Path, out: Path, **env: str) -> subprocess.Popen:
+def _driver(storage: Path | str, out: Path, **env: str) -> subprocess.Popen:
     environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     environment["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # the session's cluster
     return subprocess.Popen(
@@ -65,12 +65,33 @@ def _driver(storage: Path, out: Path, **env: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def test_a_killed_driver_started_again_resumes_its_run(free_cluster, tmp_path):
-    storage = tmp_path / "runs"
-    first = _driver(storage, tmp_path / "never.pt", STALL_IN_EPOCH="2")
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_killed_driver_started_again_resumes_its_run(
+    free_cluster, tmp_path, store, request, monkeypatch
+):
+    """On a local folder, and on S3 (moto's server), reached through the drivers' environment
+    (AWS_*), which reaches the workers."""
+    env: dict[str, str] = {}
+    if store == "s3":
+        s3 = request.getfixturevalue("s3")
+        bucket = s3.new_bucket()
+        storage: Path | str = f"s3://{bucket}/runs"
+        env = s3.env
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)  # for this process's own fit below
+
+        def names() -> list[str]:
+            return [key.rsplit("/", 1)[1] for key in s3.keys(bucket, "runs/digits-v3/")]
+    else:
+        storage = tmp_path / "runs"
+
+        def names() -> list[str]:
+            return [path.name for path in (tmp_path / "runs" / "digits-v3").glob("*")]
+
+    first = _driver(storage, tmp_path / "never.pt", STALL_IN_EPOCH="2", **env)
     deadline = time.monotonic() + 120
     # epoch 0's and epoch 1's resume checkpoints are written, then the driver waits in epoch 2
-    while len(list((storage / "digits-v3").glob("resume-epoch=1-*.ckpt"))) < 1:
+    while not any(name.startswith("resume-epoch=1-") for name in names()):
         assert first.poll() is None, first.stdout.read() if first.stdout else ""
         assert time.monotonic() < deadline, "the first driver wrote no resume checkpoint"
         time.sleep(0.5)
@@ -80,12 +101,12 @@ def test_a_killed_driver_started_again_resumes_its_run(free_cluster, tmp_path):
         assert time.monotonic() < deadline + 60, "the dead driver's workers stayed"
         time.sleep(0.5)
 
-    second = _driver(storage, tmp_path / "resumed.pt")
+    second = _driver(storage, tmp_path / "resumed.pt", **env)
     out, _ = second.communicate(timeout=180)
     assert second.returncode == 0, out[-3000:]
     assert "global step 18" in out, out[-3000:]  # 3 epochs of 6 steps, as if never stopped
     # the last two resume checkpoints stay, for a driver that dies later
-    kept = sorted(p.name for p in (storage / "digits-v3").glob("*.ckpt"))
+    kept = sorted(name for name in names() if name.endswith(".ckpt"))
     assert kept == ["resume-epoch=1-step=12.ckpt", "resume-epoch=2-step=18.ckpt"], (
         kept,
         out[-3000:],

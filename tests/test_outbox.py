@@ -148,6 +148,7 @@ def test_rank_0s_events_and_output_reach_the_driver_in_the_order_they_happened(m
     # the driver prints and replays in that order
     shown: list[str] = []
     inbox = RunInbox(None, None, Run())
+    monkeypatch.setattr(inbox, "_ask_news", lambda rank: None)  # no worker to ask
     inbox.attach([0], "call")  # type: ignore[list-item]  (only its length)
     monkeypatch.setattr(
         inbox._printer, "write", lambda rank, lines: shown.extend(line for _, line in lines)

@@ -96,9 +96,9 @@ def test_storage_the_driver_cannot_reach_is_left_to_the_workers(
 ):
     """A URI whose fsspec package only the workers have, or any storage behind a Ray Client
     (the driver's disk is not the cluster's), is not probed on the driver."""
-    if importlib.util.find_spec("s3fs") is not None:
-        pytest.skip("s3fs is installed here: the driver can open s3:// URIs")
-    storage.check_writable("s3://bucket/runs", "s3://bucket/runs")  # no error: not checked
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here: the driver can open gs:// URIs")
+    storage.check_writable("gs://bucket/runs", "gs://bucket/runs")  # no error: not checked
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with pytest.raises(_Connected):  # the read-only folder is the cluster's business
         _fit(max_failures=2, checkpoint_storage=str(read_only_folder / "ckpts"))
@@ -111,14 +111,14 @@ def test_a_named_run_on_a_uri_the_driver_cannot_open_fails_before_ray(
     """The driver of a named run reads and writes its folder (run.json, the checkpoint a new
     driver resumes from): a URI whose package only the workers would have is refused before
     Ray is touched (before, a warning, then fsspec's ImportError after the connection)."""
-    if importlib.util.find_spec("s3fs") is not None:
-        pytest.skip("s3fs is installed here: the driver can open s3:// URIs")
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here: the driver can open gs:// URIs")
     if client:
         monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with pytest.raises(
-        ConfigurationError, match=r"checkpoint_storage='s3://bucket/runs' with a run_name.*s3fs"
+        ConfigurationError, match=r"checkpoint_storage='gs://bucket/runs' with a run_name.*gcsfs"
     ):
-        _fit(max_failures=1, checkpoint_storage="s3://bucket/runs", run_name="digits")
+        _fit(max_failures=1, checkpoint_storage="gs://bucket/runs", run_name="digits")
 
 
 def test_a_stores_root_uri_keeps_its_slashes(no_connect, tmp_path, monkeypatch):

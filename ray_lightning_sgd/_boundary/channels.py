@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_lightning_sgd._worker_group.worker import SIGTERM_NOTICE
+from ray_lightning_sgd._worker_group.worker import RESUME_POINT, SIGTERM_NOTICE
 
 #: The outbox channel of events (pickled lists of :data:`Event`).
 EVENTS = "events"
@@ -32,8 +32,8 @@ TIMINGS = "timings"
 #: How many of its latest steps a rank's :data:`TIMINGS` take the median of.
 TIMED_STEPS = 20
 
-#: The outbox channel of the run's latest resume point.
-RESUME = "resume"
+#: The outbox channel of the run's latest resume point (urgent: the driver polls at once).
+RESUME = RESUME_POINT
 
 #: The outbox channel of rank 0's loggers: (each logger's ``version``, the run it writes to; by
 #: logger index, the last step it logged of each metric).

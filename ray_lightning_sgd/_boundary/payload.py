@@ -14,6 +14,7 @@ import torch
 import torch.backends.cudnn
 from torch import Tensor
 
+from ray_lightning_sgd import _files
 from ray_lightning_sgd._boundary.artifacts import Artifacts
 from ray_lightning_sgd._boundary.resume_points import ResumePoint
 from ray_lightning_sgd._compat import trackers
@@ -30,13 +31,17 @@ FITTING, VALIDATING, TESTING, PREDICTING = "fit", "validate", "test", "predict"
 _INHERITED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
 #: The prefixes of the variables that experiment trackers read (credentials, endpoints, modes):
 #: the driver's go to the workers where the Trainer has such a tracker's logger.
-_TRACKER_PREFIXES = tuple(trackers.ENV_PREFIXES.values())
+#: And those of the storages' packages (credentials, endpoints): the driver's go where the
+#: Trainer or ``checkpoint_storage`` uses such a storage.
+_CARRIED_PREFIXES = tuple(trackers.ENV_PREFIXES.values()) + tuple(
+    sorted({prefix for prefixes in _files.STORAGE_ENV_PREFIXES.values() for prefix in prefixes})
+)
 #: On a worker: its own values of those variables before its first call (set by the job's or
 #: the actor's runtime environment, the node, a container image).
 _started_with: dict[str, str] | None = None
 
 
-def _carried(key: str, prefixes: tuple[str, ...] = _TRACKER_PREFIXES) -> bool:
+def _carried(key: str, prefixes: tuple[str, ...] = _CARRIED_PREFIXES) -> bool:
     if key in trackers.ENV_NOT_CARRIED:
         return False
     return key in _INHERITED_ENV or key.startswith(prefixes)
@@ -74,6 +79,11 @@ class Payload(NamedTuple):
     #: Whether a fit that ends after an epoch without one writes one as it ends (a named run:
     #: its next driver resumes where this one ended, with nothing to train again).
     resume_at_fit_end: bool = False
+    #: Optimizer steps, and seconds, between resume checkpoints inside epochs (0: none).
+    resume_every_n_steps: int = 0
+    resume_every_s: float = 0.0
+    #: The fsspec options of ``resume_storage`` (secrets: never logged).
+    storage_options: Mapping[str, Any] | None = None
     #: Where the driver expects rank 0's logs and checkpoints.
     artifacts: Artifacts | None = None
     #: Whether the results travel without out-of-band buffers: the driver is a Ray Client,
@@ -121,7 +131,8 @@ class GlobalState:
         cls, worker_env: Mapping[str, str] | None = None, env_prefixes: tuple[str, ...] = ()
     ) -> GlobalState:
         """Driver side: captures the flags, RNG states and inherited environment variables,
-        and those whose names start with ``env_prefixes`` (the trackers' the Trainer logs to);
+        and those whose names start with ``env_prefixes`` (the trackers' the Trainer logs to,
+        the storages' it writes);
         those that the workers' own ``worker_env`` sets keep its values there."""
         env = {k: v for k, v in os.environ.items() if _carried(k, env_prefixes)}
         env.update({k: v for k, v in (worker_env or {}).items() if _carried(k, env_prefixes)})

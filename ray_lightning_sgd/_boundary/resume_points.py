@@ -69,11 +69,8 @@ def remove_storage_folder(uri: str) -> None:
 
 
 def fsspec_path(uri: str) -> tuple[Any, str]:
-    """The fsspec file system of a path or URI, and the path on it."""
-    import fsspec
-
-    filesystem, path = fsspec.core.url_to_fs(uri)
-    return filesystem, str(path)
+    """The fsspec file system of a path or URI (with its storage's options), and the path on it."""
+    return _files.filesystem(uri)
 
 
 def stored_points(storage: str) -> list[ResumePoint]:

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 #: How the driver's probe files start, here and in a checkpoint storage (hidden: Lightning's
 #: and our listings skip them).
-PROBE_PREFIX = ".ray_lightning_sgd-probe-"
+PROBE_PREFIX = _files.PROBE_PREFIX
 #: The probe files of this process's running calls: path -> the descriptor holding its lock.
 _held: dict[str, int] = {}
 

@@ -224,7 +224,8 @@ class RunInbox:
                 f"(the files ending in -{meta.pid}.out and .err in the session's logs folder, "
                 "/tmp/ray/session_latest/logs by default) ===",
             )
-        for rank in range(1, len(group)):  # rank 0 is asked often anyway
+        # rank 0 is polled often anyway; its question brings its resume points at once
+        for rank in range(len(group)):
             self._ask_news(rank)
 
     def _ask_news(self, rank: int) -> None:

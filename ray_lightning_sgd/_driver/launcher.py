@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import ray
 from typing_extensions import override
 
-from ray_lightning_sgd import _compat, _scratch
+from ray_lightning_sgd import _compat, _files, _scratch
 from ray_lightning_sgd._boundary.datasets import DatasetSplit
 from ray_lightning_sgd._boundary.environment import RayEnvironmentBase
 from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, GlobalState, Payload, Shipped
@@ -169,9 +169,12 @@ class RayLauncherBase(_Base):
         loggers = [] if call.trainer is None else call.trainer.loggers
         release_logger_runs(loggers)
         self._tracked = _compat.trackers.tracked(loggers)
+        prefixes = _compat.trackers.env_prefixes(loggers) + _files.env_prefixes(
+            _storage_uris(call.trainer, config.checkpoint_storage)
+        )
         return Payload(
             call.trainer, call.function, call.args, call.kwargs,
-            GlobalState.capture(group.worker_env, _compat.trackers.env_prefixes(loggers)),
+            GlobalState.capture(group.worker_env, prefixes),
             call_id=run_id,
             forward_events=polled and bool(_driver_callbacks(call.trainer, self._strategy)),
             report_progress=polled,  # for the progress timeout and the hang report
@@ -183,6 +186,9 @@ class RayLauncherBase(_Base):
             resume_on_preemption=config.max_preemptions != 0,
             resume_storage=storage, resume_keep_last=config.keep_last,
             resume_at_fit_end=storage is not None and config.run_name is not None,
+            resume_every_n_steps=config.checkpoint_every_n_steps or 0,
+            resume_every_s=config.checkpoint_every_s or 0.0,
+            storage_options=config.storage_options,
             artifacts=mirror,
             results_in_band=_compat.ray.driver_is_a_client(),
             global_batch_workers=(
@@ -480,7 +486,23 @@ def _check_call(call: _Call, strategy: StrategyView) -> None:
         check_global_batch(call.trainer, call.model, strategy)
         config = strategy.run_config
         if config.checkpoint_storage is not None:
+            # the driver's own reads and writes of the storage take its options too
+            _files.use_storage_options(
+                _storage.resolve(config.checkpoint_storage), config.storage_options
+            )
             _storage.check_storage(config.checkpoint_storage, config.run_name)
+
+
+def _storage_uris(trainer: pl.Trainer | None, checkpoint_storage: str | None) -> list[str]:
+    """Driver side: where the call writes files: ``checkpoint_storage``, the Trainer's
+    ``default_root_dir``, its checkpoint callbacks' and loggers' folders."""
+    uris = [] if checkpoint_storage is None else [checkpoint_storage]
+    if trainer is None:
+        return uris
+    uris.append(str(trainer.default_root_dir))
+    places = [getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks]
+    places += [getattr(logger, "save_dir", None) for logger in trainer.loggers]
+    return uris + [str(place) for place in places if place is not None]
 
 
 def _stored_resume_point(

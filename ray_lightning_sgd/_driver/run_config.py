@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray_lightning_sgd._worker_group.config import seconds_problem
@@ -42,6 +43,12 @@ class RunConfig:
             with the same name resumes from the run's latest resume checkpoint (the driver died).
             None: each launch has a folder of its own, removed when its ``fit`` ends.
         keep_last: How many resume checkpoints of a named run are kept (older ones are deleted).
+        storage_options: fsspec options of ``checkpoint_storage`` (an endpoint, credentials, a
+            profile), used by the driver and every worker; never shown (``repr``, logs).
+        checkpoint_every_n_steps: Optimizer steps between resume checkpoints inside epochs too
+            (besides every ``checkpoint_every_n_epochs`` epochs); None: none.
+        checkpoint_every_s: Seconds (rank 0's clock) between resume checkpoints inside epochs
+            too; None: none.
         resize_interval_s: How often an elastic run checks whether the cluster has room for
             more workers.
     """
@@ -55,6 +62,9 @@ class RunConfig:
     run_name: str | None = None
     keep_last: int = 2
     resize_interval_s: float = 60.0
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    checkpoint_every_n_steps: int | None = None
+    checkpoint_every_s: float | None = None
 
     @property
     def writes_resume_checkpoints(self) -> bool:
@@ -101,11 +111,40 @@ class RunConfig:
                     f"run_name={self.run_name!r} needs checkpoint_storage: the place where a new "
                     "driver finds the run's resume checkpoints (a path or URI every worker reaches)"
                 )
+        self._check_storage_options()
+        steps = self.checkpoint_every_n_steps
+        if steps is not None and (not _is_int(steps) or steps < 1):
+            raise ConfigurationError(
+                f"checkpoint_every_n_steps must be an int >= 1, or None, got {steps!r}"
+            )
+        every_s = self.checkpoint_every_s
+        if every_s is not None and seconds_problem(every_s) is not None:
+            raise ConfigurationError(
+                f"checkpoint_every_s {seconds_problem(every_s)}; or None for no timed checkpoints"
+            )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise ConfigurationError(f"keep_last must be an int >= 1, got {self.keep_last!r}")
         interval_problem = seconds_problem(self.resize_interval_s)
         if interval_problem is not None:
             raise ConfigurationError(f"resize_interval_s {interval_problem}")
+
+    def _check_storage_options(self) -> None:
+        options = self.storage_options
+        if options is None:
+            return
+        if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+            raise ConfigurationError(
+                "storage_options must be a dict of fsspec options with str keys (for example "
+                "{'client_kwargs': {'endpoint_url': ...}, 'profile': ...}), or None, got a "
+                f"{type(options).__name__}"  # its values may be secrets: never shown
+            )
+        if self.checkpoint_storage is None:
+            raise ConfigurationError(
+                f"storage_options (keys {sorted(options)}) are options of checkpoint_storage, "
+                "which is not given: give checkpoint_storage='s3://bucket/folder' (or another "
+                "fsspec URI) too, or leave storage_options out"
+            )
+        object.__setattr__(self, "storage_options", dict(options))
 
 
 def _check_storage(storage: Any) -> None:

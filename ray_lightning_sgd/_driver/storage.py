@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 
 from ray_lightning_sgd import _compat, _files
-from ray_lightning_sgd._driver.artifacts import PROBE_PREFIX
 from ray_lightning_sgd.exceptions import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -43,13 +41,8 @@ def check_writable(folder: str, given: str, named: bool = False) -> None:
         ConfigurationError: The folder cannot be created or written, naming ``checkpoint_storage``,
             its value and the error.
     """
-    import fsspec
-
-    # a temporary name of ours: a driver killed before it removes the probe leaves one that
-    # the next writer of the folder removes (``_files.remove_leftovers``)
-    probe = _files.child(folder, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}{_files.TEMP_SUFFIX}")
     try:
-        filesystem, path = fsspec.core.url_to_fs(folder)
+        _files.filesystem(folder)
     except ImportError as err:  # the URI's package may be on the workers only: they write it
         if named:
             raise ConfigurationError(
@@ -68,16 +61,9 @@ def check_writable(folder: str, given: str, named: bool = False) -> None:
     except Exception as err:  # an unknown protocol (ValueError), a client that cannot start
         raise _unwritable(given, folder, err) from err
     try:
-        filesystem.makedirs(path, exist_ok=True)
-        probe_path = f"{path.rstrip('/')}/{os.path.basename(probe)}"
-        with filesystem.open(probe_path, "wb") as file:
-            file.write(b"")
+        _files.probe(folder)
     except Exception as err:  # OSError locally; fsspec's backends raise their own kinds
         raise _unwritable(given, folder, err) from err
-    try:
-        filesystem.rm(probe_path)
-    except Exception as err:  # noqa: BLE001 - the storage works; a stray empty file is no error
-        log.warning("Could not remove the probe file %s: %s", probe, err)
 
 
 def _unwritable(given: str, folder: str, err: BaseException) -> ConfigurationError:

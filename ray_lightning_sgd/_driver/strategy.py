@@ -116,10 +116,23 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             far, at least 5 minutes. ``worker_stacks()`` and SIGUSR1 to the driver give the
             stacks at any time.
         checkpoint_every_n_epochs: Epochs between resume checkpoints.
+        checkpoint_every_n_steps: Also write a resume checkpoint every this many optimizer
+            steps, inside epochs (``fit`` resumes there, each remaining batch trained once);
+            None (default): at epoch ends only.
+        checkpoint_every_s: Also write a resume checkpoint at the first step boundary after
+            this many seconds since the last one (rank 0's clock, agreed on by every rank);
+            None (default): none by time.
         checkpoint_storage: Where the resume checkpoint goes (a local path or fsspec URI that
-            every worker can reach; ``~`` is expanded on the driver, and ``fit`` checks there
-            that the folder can be written before any worker starts); None sends its bytes to
-            the driver's node.
+            every worker can reach; ``~`` is expanded on the driver, and ``fit`` checks there,
+            and from rank 0's node, that the folder can be written before training); None sends
+            its bytes to the driver's node. Each checkpoint is saved to the worker's local disk
+            and uploaded in the background while training goes on (one upload at a time); it
+            is the run's resume point once its upload is complete.
+        storage_options: fsspec options of ``checkpoint_storage`` (``client_kwargs`` with an
+            ``endpoint_url``, ``key``/``secret``, ``profile``, ...), used by the driver and every
+            worker; never shown in logs or errors. Without them, each worker's environment
+            must hold the storage's settings: the driver's ``AWS_*``, ``GOOGLE_*``/``GCS_*``
+            and ``AZURE_*`` variables reach the workers of a Trainer that uses that storage.
         run_name: Names the run: its resume checkpoints go to ``<checkpoint_storage>/<run_name>``
             (written every ``checkpoint_every_n_epochs`` epochs, also without ``max_failures``),
             and a new driver whose ``fit`` has the same name resumes from the latest of them,
@@ -190,7 +203,10 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
         progress_timeout_s: float | None = None,
         hang_report_after_s: float | None = None,
         checkpoint_every_n_epochs: int = 1,
+        checkpoint_every_n_steps: int | None = None,
+        checkpoint_every_s: float | None = None,
         checkpoint_storage: str | None = None,
+        storage_options: dict[str, Any] | None = None,
         run_name: str | None = None,
         keep_last: int = 2,
         resize_interval_s: float = 60,
@@ -207,7 +223,10 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
             progress_timeout_s=progress_timeout_s,
             hang_report_after_s=hang_report_after_s,
             checkpoint_every_n_epochs=checkpoint_every_n_epochs,
+            checkpoint_every_n_steps=checkpoint_every_n_steps,
+            checkpoint_every_s=checkpoint_every_s,
             checkpoint_storage=checkpoint_storage,
+            storage_options=storage_options,
             run_name=run_name,
             keep_last=keep_last,
             resize_interval_s=resize_interval_s,
@@ -344,7 +363,10 @@ class RayStrategyBase(_compat.ConfigureLauncher, _compat.InterceptPrecisionPlugi
     progress_timeout_s = _from_config("_run_config", "progress_timeout_s")
     hang_report_after_s = _from_config("_run_config", "hang_report_after_s")
     checkpoint_every_n_epochs = _from_config("_run_config", "checkpoint_every_n_epochs")
+    checkpoint_every_n_steps = _from_config("_run_config", "checkpoint_every_n_steps")
+    checkpoint_every_s = _from_config("_run_config", "checkpoint_every_s")
     checkpoint_storage = _from_config("_run_config", "checkpoint_storage")
+    storage_options = _from_config("_run_config", "storage_options")
     run_name = _from_config("_run_config", "run_name")
     keep_last = _from_config("_run_config", "keep_last")
     resize_interval_s = _from_config("_run_config", "resize_interval_s")

@@ -76,17 +76,6 @@ class _ShardedBase(RayStrategyBase):
             )
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
-    @override
-    def _check_workers(self) -> None:
-        storage = self._run_config.checkpoint_storage
-        if storage is not None and "://" in storage and not storage.startswith("file://"):
-            raise ConfigurationError(
-                f"{type(self).__name__} takes a local checkpoint_storage (a folder every worker's "
-                f"node reaches, such as a shared file system), got {storage!r}: Lightning's "
-                "sharded strategies write and read checkpoints by local path; mount the "
-                "storage, or leave checkpoint_storage out to keep resume checkpoints in the driver"
-            )
-
 
 class RayModelParallelStrategyBase(_ShardedBase):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 with ``fully_shard`` and tensor parallelism,

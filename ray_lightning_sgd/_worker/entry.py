@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.backends.cudnn
 
-from ray_lightning_sgd import _compat
+from ray_lightning_sgd import _compat, _files
 from ray_lightning_sgd._boundary.datasets import DatasetShard, DatasetSplit
 from ray_lightning_sgd._boundary.environment import DEBUG_ENV, RayEnvironmentBase
 from ray_lightning_sgd._boundary.payload import FITTING, PREDICTING, Payload, Shipped
@@ -55,6 +55,7 @@ from ray_lightning_sgd._worker.output import OutputForwarder
 from ray_lightning_sgd._worker.progress import ProgressReporterBase
 from ray_lightning_sgd._worker.resume import BatchStartBase, ResumeCheckpointBase, logger_versions
 from ray_lightning_sgd._worker.resume_from import forget, materialise, resolve_on_rank_zero
+from ray_lightning_sgd._worker.storage import check_storage_from_worker
 from ray_lightning_sgd._worker.trackers import LoggerReporterBase, end_runs, finalize_failed
 from ray_lightning_sgd._worker_group.context import get_worker_context
 from ray_lightning_sgd._worker_group.imports import import_modules
@@ -185,6 +186,10 @@ class _TrainerCall:
     def forwarder(self) -> EventForwarderBase | None:
         return next((cb for cb in self.last if isinstance(cb, EventForwarderBase)), None)
 
+    @property
+    def resume_callback(self) -> ResumeCheckpointBase | None:
+        return next((cb for cb in self.last if isinstance(cb, ResumeCheckpointBase)), None)
+
 
 def _prepare(payload: Payload, trainer: pl.Trainer) -> _TrainerCall:
     """Runs on each worker: the Trainer set up for this worker's rank, device and precision,
@@ -205,6 +210,10 @@ def _prepare(payload: Payload, trainer: pl.Trainer) -> _TrainerCall:
         factor = payload.global_batch_workers // environment.world_size()
         trainer.accumulate_grad_batches *= factor
     call = _TrainerCall(trainer, flavour, global_rank, payload.args, payload.kwargs)
+    if payload.resume_storage is not None and trainer.state.fn == FITTING:
+        _files.use_storage_options(payload.resume_storage, payload.storage_options)
+        if global_rank == 0:
+            check_storage_from_worker(payload.resume_storage)
     _add_callbacks(payload, call)
     resume = None
     if trainer.state.fn == FITTING and payload.resume is not None:
@@ -249,6 +258,8 @@ def _add_callbacks(payload: Payload, call: _TrainerCall) -> None:
             at_fit_end=payload.resume_at_fit_end,
             on_preemption=payload.resume_on_preemption,
             resumed=payload.resume is not None,
+            every_n_steps=payload.resume_every_n_steps,
+            every_s=payload.resume_every_s,
         )
         call.last.append(resume_callback)  # last: an epoch's checkpoint holds the others' work
         # first: a fit stopped at a batch's start stops before the others' hooks for it
@@ -263,14 +274,20 @@ def _run_trainer_call(payload: Payload, call: _TrainerCall) -> Any:
     forwarder = call.forwarder
     open_channel(forwarder)  # the driver polls a Trainer's call: send_to_driver works there
     hidden = _compat.hidden_callbacks(trainer, namespace, call.first, call.last)
+    resume = call.resume_callback
     try:
         with OutputForwarder(), hidden:
             try:
-                return payload.function(*call.args, **call.kwargs)
+                result = payload.function(*call.args, **call.kwargs)
             except tuner_exits:  # a tuner finished: end the call as Lightning's handler does
                 _compat.end_after_tuner_exit(trainer, namespace)
-                return None
+                result = None
+            if resume is not None:  # its last checkpoint's upload, before the results go
+                resume.finish(trainer)
+            return result
     except BaseException:
+        if resume is not None:
+            resume.uploads.abandon()
         if forwarder is not None:
             forwarder.send_now()  # the driver's view gets the steps before the error
         # as Lightning's handler in each ddp process
@@ -280,8 +297,8 @@ def _run_trainer_call(payload: Payload, call: _TrainerCall) -> Any:
         if call.loggers is not None:
             call.loggers.unwrap()
         close_channel()
-        if call.resume_file is not None and payload.resume is not None:
-            forget(payload.resume, call.resume_file)  # a killed worker's copy: see _scratch.sweep
+        if call.resume_file is not None:
+            forget(call.resume_file)  # a killed worker's copy: see _scratch.sweep
 
 
 def _results_of(

@@ -4,10 +4,14 @@ SIGTERM (a preemption notice, which the ranks exchange through
 :mod:`~ray_lightning_sgd._worker.preemption_notices`); :class:`BatchStartBase` makes it the first
 to see each batch.
 
-Rank 0 puts each new :class:`ResumePoint` in its outbox and waits until the driver holds it (the
-driver's next poll takes it into its own memory), so a point survives the loss of any worker or
-node. With ``checkpoint_storage`` only the URI travels, and older checkpoints there are deleted
-once the driver holds the new one.
+Every rank takes part in the save, which writes the whole checkpoint to rank 0's local disk;
+rank 0 then sends it on in the background while training goes on
+(:mod:`~ray_lightning_sgd._worker.uploads`): uploaded to ``checkpoint_storage`` (then only its URI
+travels), or its bytes to the driver; the new :class:`ResumePoint` goes into rank 0's outbox, and
+older checkpoints in the storage are deleted once the driver holds it (the driver's next poll
+takes it into its own memory), so a point survives the loss of any worker or node. With
+``checkpoint_every_n_steps`` or ``checkpoint_every_s`` checkpoints come inside epochs too, at
+step boundaries.
 
 A point written inside an epoch records the batches the epoch had trained; the restarted attempt
 resumes exactly there (:mod:`~ray_lightning_sgd._worker.resumed_fit`), from the point that
@@ -17,8 +21,11 @@ resumes exactly there (:mod:`~ray_lightning_sgd._worker.resumed_fit`), from the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -42,6 +49,7 @@ from ray_lightning_sgd._worker.resumed_fit import (
     skip_first_batches,
     warn_schedulers_that_end_too_soon,
 )
+from ray_lightning_sgd._worker.uploads import Upload, Uploads
 from ray_lightning_sgd._worker_group.outbox import get_outbox
 from ray_lightning_sgd._worker_group.worker import preemption
 from ray_lightning_sgd.exceptions import WorkerDiedError
@@ -63,15 +71,18 @@ _INEXACT_RESUME_WARNING = "You're resuming from a checkpoint that ended before"
 
 class ResumeCheckpointBase:
     """Runs on each worker. A callback that saves the run's resume checkpoint every N epochs
-    (0: never), and, with ``on_preemption``, at the first step boundary after any rank received
-    SIGTERM; then the call ends on every rank with a preempted :class:`WorkerDiedError`, and the
-    driver restarts the fit from that checkpoint without the terminated worker.
+    (0: never), every ``every_n_steps`` optimizer steps and at the first step boundary after
+    ``every_s`` seconds (0: never), and, with ``on_preemption``, at the first step boundary after
+    any rank received SIGTERM; then the call ends on every rank with a preempted
+    :class:`WorkerDiedError`, and the driver restarts the fit from that checkpoint without the
+    terminated worker.
 
-    Every rank takes part in ``Trainer.save_checkpoint`` (it synchronises); rank 0 writes it, to
-    ``storage`` when one is given (a local path or an fsspec URI), else to a local temporary file
-    whose bytes go to the driver. With ``at_fit_end`` (a named run) a fit that ends after an
-    epoch without one (``checkpoint_every_n_epochs`` does not divide it, ``max_steps``, an early
-    stop) saves one as it ends, so that the run's next driver trains nothing again.
+    Every rank takes part in ``Trainer.save_checkpoint`` (it synchronises), which writes it to a
+    local temporary file of rank 0; rank 0 sends it on in the background (to ``storage`` when one
+    is given, a local path or an fsspec URI, else its bytes to the driver). With ``at_fit_end``
+    (a named run) a fit that ends after an epoch without one (``checkpoint_every_n_epochs`` does
+    not divide it, ``max_steps``, an early stop) saves one as it ends, so that the run's next
+    driver trains nothing again.
     """
 
     def __init__(
@@ -82,9 +93,18 @@ class ResumeCheckpointBase:
         on_preemption: bool = False,
         resumed: bool = False,
         at_fit_end: bool = False,
+        every_n_steps: int = 0,
+        every_s: float = 0.0,
     ) -> None:
         super().__init__()
         self._at_fit_end = at_fit_end
+        self._every_steps = every_n_steps
+        self._every_s = every_s
+        #: The global step and time (rank 0's clock) of the latest checkpoint, or the start.
+        self._last_step = 0
+        self._last_time = time.monotonic()
+        #: Rank 0's sends of its checkpoints (see :mod:`~ray_lightning_sgd._worker.uploads`).
+        self.uploads = Uploads()
         #: The (epoch, global step) of this attempt's latest epoch-end checkpoint.
         self._saved_at: tuple[int, int] | None = None
         self._resumed = resumed  # this attempt resumes from a resume checkpoint
@@ -183,9 +203,21 @@ class ResumeCheckpointBase:
         self._skip, self._skip_counted = None, False  # every train loader has taken its skip
         if self._resumed:
             warn_schedulers_that_end_too_soon(trainer)
+        self._last_step, self._last_time = trainer.global_step, time.monotonic()
+        inside = bool(self._every_steps or self._every_s)
+        if not (self._on_preemption or inside) or self._watching:
+            return
         # a stateful DataLoader's saved position would be one batch ahead of an in-epoch point
-        if self._on_preemption and not self._watching and _steps_resume_inside(trainer):
-            self._watching = True
+        if not _steps_resume_inside(trainer):
+            if inside and trainer.global_rank == 0:
+                log.warning(
+                    "checkpoint_every_n_steps/checkpoint_every_s: this fit's steps cannot resume "
+                    "inside an epoch (a stateful train DataLoader, or a "
+                    "GradientAccumulationScheduler): resume checkpoints come at epoch ends only"
+                )
+            return
+        self._watching = True
+        if self._on_preemption:
             preemption.grace_s = PREEMPTION_GRACE_S
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -206,7 +238,8 @@ class ResumeCheckpointBase:
         self._unquiet()
         if self._watching:
             self._watching = False
-            preemption.grace_s = 0.0
+            if self._on_preemption:
+                preemption.grace_s = 0.0
 
     def _unquiet(self) -> None:
         if self._quiet is not None:  # Lightning's warning was due before the first batch
@@ -218,21 +251,28 @@ class ResumeCheckpointBase:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int
     ) -> None:
         """Called first at each batch's start (by :class:`BatchStartBase`, before any other
-        callback's hook for the batch): stops the fit there if a rank received SIGTERM."""
+        callback's hook for the batch): saves a checkpoint there when one is due by steps or
+        time, and stops the fit there if a rank received SIGTERM."""
         self._unquiet()
         if not self._watching:
             return
         # a step boundary: the batches before it stepped the optimizers (nothing accumulated)
         if pl_module.automatic_optimization and batch_idx % trainer.accumulate_grad_batches:
             return
-        ranks = self._notices.at_boundary(trainer)
-        if not ranks:
-            return
+        stepped = trainer.global_step - self._last_step
+        timed = bool(self._every_s) and time.monotonic() - self._last_time >= self._every_s
+        ranks, due = self._notices.at_boundary(trainer, due=timed and trainer.global_rank == 0)
+        ranks = ranks if self._on_preemption else []
+        due = due or bool(self._every_steps and stepped >= self._every_steps)
+        if not ranks and not (due and stepped and batch_idx):
+            return  # (at an epoch's first batch, the epoch end's checkpoint is as new)
         self._saving = (batch_idx, _replicas(_train_loaders(trainer)[0]))
         try:
-            point = self._save(trainer)
+            point = self._save(trainer, wait=bool(ranks))
         finally:
             self._saving = None
+        if not ranks:
+            return
         trainer.strategy.barrier("ray_lightning_sgd.preemption")  # the driver holds the point
         raise WorkerDiedError(
             f"rank {', '.join(map(str, ranks))} received SIGTERM (a preemption notice): the "
@@ -248,62 +288,90 @@ class ResumeCheckpointBase:
         self._save(trainer)
         self._saved_at = (trainer.current_epoch, trainer.global_step)
 
-    def _save(self, trainer: pl.Trainer, epoch: int | None = None) -> ResumePoint:
-        """Every rank: saves a resume checkpoint now; rank 0 hands it to the driver. ``epoch``:
-        the epoch it is named after, when not the Trainer's current one (at the fit's end).
+    def finish(self, trainer: pl.Trainer) -> None:
+        """Runs on each worker at the call's successful end: rank 0 waits for its last
+        checkpoint's send, and warns when it failed (the run's resume point is an older one)."""
+        failure = self.uploads.finish()
+        if failure is None or trainer.global_rank != 0:
+            return
+        label, err = failure
+        where = self._storage or "the driver"
+        warnings.warn(
+            f"The fit's last resume checkpoint ({label}) could not be sent to {where}: "
+            f"{type(err).__name__}: {err}. The run's resume point is the one before it",
+            stacklevel=1,
+        )
 
-        In a storage, rank 0 writes it under a temporary name of the folder and renames it into
-        place once complete, and deletes older checkpoints only after the driver holds this one:
-        whenever rank 0 dies, the folder's newest complete checkpoint, or the one the driver
-        holds, is there.
+    def _save(
+        self, trainer: pl.Trainer, epoch: int | None = None, wait: bool = False
+    ) -> ResumePoint:
+        """Every rank: saves a resume checkpoint now, to rank 0's local disk; rank 0 sends it on
+        in the background (``wait``: before this returns, as at a preemption notice, where the
+        ranks stop once the driver holds it). ``epoch``: the epoch it is named after, when not
+        the Trainer's current one (at the fit's end).
+
+        In a storage, a checkpoint is uploaded whole or not at all (see
+        :func:`ray_lightning_sgd._files.upload`), and older checkpoints are deleted only after
+        the driver holds it: whenever rank 0 dies, the folder's newest complete checkpoint, or
+        the one the driver holds, is there.
         """
         rank_zero = trainer.global_rank == 0
         batches = None if self._saving is None else self._saving[0]
         epoch = trainer.current_epoch if epoch is None else epoch
+        uri = None
         if self._storage is not None:
-            folder = self._storage
-            name = checkpoint_name(epoch, trainer.global_step, batches)
-            uri = _files.child(folder, name)
-            temp = _files.child(folder, _files.temp_name(name, unique=False))
-            if rank_zero:
-                _files.remove_leftovers(folder, starting=".resume-")  # of a killed writer
-            # a sharded strategy saves this checkpoint whole (see OnWorkersBase.resume_checkpoints)
-            whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
-            try:
-                with whole, _saved_in_place(trainer.strategy):
-                    trainer.save_checkpoint(temp)
-                if rank_zero:
-                    filesystem, path = fsspec_path(temp)
-                    _files.publish(filesystem, path, fsspec_path(uri)[1])
-            except BaseException:
-                if rank_zero:  # a full disk: no part of it stays
-                    _files.remove_leftovers(folder, starting=".resume-")
-                raise
-            data = None
-        else:
-            uri = None
-            data = checkpoint_bytes(trainer, "resume.ckpt")
+            uri = _files.child(self._storage, checkpoint_name(epoch, trainer.global_step, batches))
+        held = _stage(trainer, "resume.ckpt")
+        self._last_step, self._last_time = trainer.global_step, time.monotonic()
         point = ResumePoint(
-            epoch, trainer.global_step, data=data, uri=uri,
+            epoch, trainer.global_step, uri=uri,
             logger_versions=tuple(logger_versions(trainer)) if rank_zero else (),
             logged_step=logged_step(trainer),
             batches=batches,
         )  # fmt: skip
-        if rank_zero:
-            # the checkpoint is safe in the driver before training goes on
-            outbox = get_outbox()
-            sequence = outbox.put_latest(RESUME, point)
-            if not outbox.wait_delivered(RESUME, sequence, _DELIVERY_WAIT_S):
+        if held is None:
+            return point
+        folder, path = held
+        self.uploads.submit(
+            Upload(
+                point.describe(),
+                send=functools.partial(self._send, point, path),
+                discard=functools.partial(_scratch.release, folder),
+            )
+        )
+        if wait:
+            self.uploads.wait()
+        return point
+
+    def _send(self, point: ResumePoint, path: str, cancelled: Any) -> None:
+        """Runs on rank 0, in its uploads' thread: sends the checkpoint saved at ``path`` to
+        the storage (or its bytes to the driver), then hands the point to the driver, and once
+        the driver holds it deletes the storage's older checkpoints."""
+        if point.uri is not None and self._storage is not None:
+            _files.remove_leftovers(self._storage, starting=".resume-")  # of a killed writer
+            _files.upload(path, point.uri)
+        else:
+            point = dataclasses.replace(point, data=_read(path))
+        if cancelled():
+            return  # the call failed: the driver restarts from the point it holds
+        outbox = get_outbox()
+        sequence = outbox.put_latest(RESUME, point)
+        waited = 0.0
+        while not outbox.wait_delivered(RESUME, sequence, 1.0):
+            waited += 1.0
+            if cancelled():
+                return
+            if waited >= _DELIVERY_WAIT_S:
                 log.warning(
-                    "The driver did not take the resume checkpoint of epoch %d within %.0fs; "
-                    "training goes on, and the driver takes it at its next poll",
-                    point.epoch,
+                    "The driver did not take the resume checkpoint %s within %.0fs; it takes "
+                    "it at its next poll",
+                    point.describe(),
                     _DELIVERY_WAIT_S,
                 )
-            elif self._storage is not None:
-                # only now: until the driver holds this one, it may restart from an older one
-                _delete_older(self._storage, point, self._keep_last)
-        return point
+                return
+        if self._storage is not None:
+            # only now: until the driver holds this one, it may restart from an older one
+            _delete_older(self._storage, point, self._keep_last)
 
 
 class BatchStartBase:
@@ -346,9 +414,22 @@ def logger_versions(trainer: pl.Trainer) -> list[Any]:
 
 def checkpoint_bytes(trainer: pl.Trainer, name: str) -> bytes | None:
     """Every rank: saves a checkpoint of the Trainer now, one whole file however the strategy
+    shards; its bytes on rank 0, None on the others (see :func:`_stage`)."""
+    held = _stage(trainer, name)
+    if held is None:
+        return None
+    try:
+        return _read(held[1])
+    finally:
+        _scratch.release(held[0])
+
+
+def _stage(trainer: pl.Trainer, name: str) -> tuple[str, str] | None:
+    """Every rank: saves a checkpoint of the Trainer now, one whole file however the strategy
     shards (see ``OnWorkersBase.resume_checkpoints``), in a local temporary folder that no
-    killed worker leaves behind (:mod:`ray_lightning_sgd._scratch`); its bytes on rank 0, None
-    on the others."""
+    killed worker leaves behind (:mod:`ray_lightning_sgd._scratch`). On rank 0: the folder,
+    held until :func:`ray_lightning_sgd._scratch.release`, and the file's path; None on the
+    others."""
     whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
     _scratch.sweep()  # what killed workers of this node left
     # a folder of its own: Lightning's save replaces the file by name, out of a lock
@@ -357,9 +438,13 @@ def checkpoint_bytes(trainer: pl.Trainer, name: str) -> bytes | None:
         path = os.path.join(held, name)
         with whole, _saved_in_place(trainer.strategy):
             trainer.save_checkpoint(path)
-        return _read(path) if trainer.global_rank == 0 else None
-    finally:
+    except BaseException:
         _scratch.release(held)
+        raise
+    if trainer.global_rank != 0:
+        _scratch.release(held)
+        return None
+    return held, path
 
 
 def _read(path: str) -> bytes:

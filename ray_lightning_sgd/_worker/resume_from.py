@@ -6,10 +6,12 @@ from: agreed on by rank 0 (:func:`resolve_on_rank_zero`), made a path Lightning 
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any, cast
 
-from ray_lightning_sgd import _scratch
+from ray_lightning_sgd import _files, _scratch
 from ray_lightning_sgd._boundary.resume_points import ResumePoint, resolve
 from ray_lightning_sgd.exceptions import RaySGDError
 
@@ -46,22 +48,28 @@ def resolve_on_rank_zero(point: ResumePoint, device: Any = None) -> ResumePoint:
 
 
 def materialise(point: ResumePoint) -> str:
-    """Runs on each worker. Returns a path Lightning can resume from: the point's URI, or a
-    local copy of its bytes, held by this process (see :mod:`ray_lightning_sgd._scratch`) until :func:`forget`."""
+    """Runs on each worker. Returns a path Lightning can resume from: the point's local path,
+    or a local copy of its bytes or of its remote file (downloaded with the storage's options,
+    which Lightning's own loading does not know), held by this process (see
+    :mod:`ray_lightning_sgd._scratch`) until :func:`forget`."""
+    data: bytes | Callable[[], bytes] | None = point.data
     if point.uri is not None:
-        return point.uri
-    if point.data is None:
+        filesystem, remote = _files.filesystem(point.uri)
+        if _files.is_local(filesystem):
+            return point.uri
+        data = functools.partial(filesystem.cat_file, remote)
+    if data is None:
         raise ValueError("a resume point holds either a uri or the checkpoint's bytes")
     # the workers of a node share one copy at one path: a sharded strategy loads the path that
     # rank 0 gives the others
     path = os.path.join(_scratch.folder(), f"{_scratch.PREFIX}{point.name}.ckpt")
     _scratch.sweep()  # what killed workers of this node left
-    _scratch.hold_copy(path, point.data)
+    _scratch.hold_copy(path, data)
     return path
 
 
-def forget(point: ResumePoint, path: str) -> None:
-    """Runs on each worker after the call: its local copy of ``point`` goes (the last process
+def forget(path: str) -> None:
+    """Runs on each worker after the call: its local copy of the resume point goes (the last process
     of the node that held it removes it)."""
-    if point.uri is None:
+    if _scratch.holds(path):  # not a storage's own file
         _scratch.release(path)

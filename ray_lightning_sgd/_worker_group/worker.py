@@ -35,6 +35,9 @@ NEWS_GROUP = "news"
 
 #: The outbox channel that tells the driver this worker received SIGTERM while running a call.
 SIGTERM_NOTICE = "sigterm"
+#: The outbox channel of the run's latest resume point (rank 0's), which the driver takes at once:
+#: until it holds the point, a lost rank restarts the run from an older one.
+RESUME_POINT = "resume"
 #: How long a worker that received SIGTERM during a call lives on, at most, for the driver to
 #: take the notice (a spot node's or a draining node's warning: the process is about to go).
 _SIGTERM_GRACE_S = 3.0
@@ -141,11 +144,11 @@ class _Worker:
     @ray.method(concurrency_group=NEWS_GROUP)
     def news(self, call_id: str, items_after_s: float) -> bool:
         """Returns once call ``call_id`` has something the driver should poll for now: True at
-        once for a SIGTERM notice, after ``items_after_s`` for output lines or sent functions;
+        once for a SIGTERM notice or a new resume point, after ``items_after_s`` for output lines or sent functions;
         False once that call ended, or once another call began here (see
         :meth:`Outbox.wait_news`). The driver holds one such
         question per worker, so it can poll the workers of a large group seldom."""
-        return get_outbox().wait_news(call_id, (SIGTERM_NOTICE,), items_after_s)
+        return get_outbox().wait_news(call_id, (SIGTERM_NOTICE, RESUME_POINT), items_after_s)
 
     @ray.method(concurrency_group=POLL_GROUP)
     def stack(self) -> ThreadStack | None:
