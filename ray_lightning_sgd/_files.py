@@ -28,6 +28,17 @@ TEMP_SUFFIX = ".writing"
 #: How the names of the files that check a folder can be written start.
 PROBE_PREFIX = ".ray_lightning_sgd-probe-"
 
+
+class StorageOptions(dict[str, Any]):
+    """A storage's fsspec options, which may hold secrets: a dict whose ``repr`` shows its keys
+    only (a Payload's or a config's repr, a log line, an error)."""
+
+    def __repr__(self) -> str:
+        return f"StorageOptions(keys={sorted(self)}, values hidden)"
+
+    __str__ = __repr__
+
+
 #: The fsspec options of the storages this process reads and writes, by each storage's root.
 _storage_options: dict[str, dict[str, Any]] = {}
 

@@ -88,10 +88,11 @@ def create_folder() -> str:
         os.close(fd)
 
 
-def hold_copy(path: str, data: bytes | Callable[[], bytes]) -> None:
-    """Makes ``path`` a file with ``data`` (or what calling it returns: called only where no
-    other process of the node made the copy yet), held by this process; the processes of a node
-    that make the same copy share one file (whoever comes first writes it whole)."""
+def hold_copy(path: str, data: bytes | Callable[[str], None]) -> None:
+    """Makes ``path`` a file with ``data`` (or what it writes to the path it is called with:
+    called only where no other process of the node made the copy yet), held by this process;
+    the processes of a node that make the same copy share one file (whoever comes first writes
+    it whole)."""
     if path in _held:
         return
     while True:
@@ -102,12 +103,13 @@ def hold_copy(path: str, data: bytes | Callable[[], bytes]) -> None:
                 _held[path] = fd
                 return
             os.close(fd)
-        if callable(data):
-            data = data()
         partial = create(".part")
         try:
-            with open(partial, "wb") as file:
-                file.write(data)
+            if callable(data):
+                data(partial)
+            else:
+                with open(partial, "wb") as file:
+                    file.write(data)
             _link(partial, path)  # fails where another process put its copy first
         except FileExistsError:
             _drop(partial)

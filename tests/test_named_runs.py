@@ -65,28 +65,18 @@ def _driver(storage: Path | str, out: Path, **env: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("store", ["local", "s3"])
-def test_a_killed_driver_started_again_resumes_its_run(
-    free_cluster, tmp_path, store, request, monkeypatch
-):
-    """On a local folder, and on S3 (moto's server), reached through the drivers' environment
-    (AWS_*), which reaches the workers."""
-    env: dict[str, str] = {}
-    if store == "s3":
-        s3 = request.getfixturevalue("s3")
-        bucket = s3.new_bucket()
-        storage: Path | str = f"s3://{bucket}/runs"
-        env = s3.env
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)  # for this process's own fit below
+def test_a_killed_driver_started_again_resumes_its_run(free_cluster, s3, tmp_path, monkeypatch):
+    """On S3 (moto's server on 127.0.0.1), reached through the drivers' environment (AWS_*),
+    which reaches the workers: no shared file system between the drivers and the workers.
+    (Named runs on a local folder: tests/test_checkpoint_lifecycle.py.)"""
+    bucket = s3.new_bucket()
+    storage = f"s3://{bucket}/runs"
+    env = s3.env
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # for this process's own fit below
 
-        def names() -> list[str]:
-            return [key.rsplit("/", 1)[1] for key in s3.keys(bucket, "runs/digits-v3/")]
-    else:
-        storage = tmp_path / "runs"
-
-        def names() -> list[str]:
-            return [path.name for path in (tmp_path / "runs" / "digits-v3").glob("*")]
+    def names() -> list[str]:
+        return [key.rsplit("/", 1)[1] for key in s3.keys(bucket, "runs/digits-v3/")]
 
     first = _driver(storage, tmp_path / "never.pt", STALL_IN_EPOCH="2", **env)
     deadline = time.monotonic() + 120

@@ -32,32 +32,39 @@ from tests.s3 import KEY, S3, SECRET, s3_server
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _wait_for_key(endpoint: str, bucket: str, suffix: str, timeout_s: float = 60) -> str:
+def _wait_for_key(
+    endpoint: str, bucket: str, suffix: str, timeout_s: float = 60, alone: bool = False
+) -> str:
     """Runs anywhere (a worker too): waits until an object whose key ends with ``suffix``
-    exists in ``bucket``; returns its key."""
+    exists in ``bucket`` (with ``alone``: and no other resume checkpoint, which rank 0 deletes
+    once the driver holds the new one, with keep_last=1); returns its key."""
     server = S3(endpoint)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = [key for key in server.keys(bucket) if key.endswith(suffix)]
-        if found:
+        keys = server.keys(bucket)
+        found = [key for key in keys if key.endswith(suffix)]
+        others = [key for key in keys if "/resume-" in key and not key.endswith(suffix)]
+        if found and not (alone and others):
             return found[0]
         time.sleep(0.1)
     raise AssertionError(f"no object ending with {suffix} in {bucket} within {timeout_s}s")
 
 
 class LostAfterCheckpoint(TinyModel):
-    """Rank 1's process exits once at global step ``step``, after the checkpoint named
-    ``suffix`` is in the bucket and the driver had a moment to take its point."""
+    """Rank 1's process exits once at global step ``step``, once the checkpoint named
+    ``suffix`` is the bucket's only one (keep_last=1: the driver holds its point)."""
 
     def __init__(self, step: int, endpoint: str, bucket: str, suffix: str, marker: str) -> None:
         super().__init__()
         self.fault = (step, endpoint, bucket, suffix, marker)
 
     def training_step(self, batch, batch_idx):
+        # a step longer than a small checkpoint's upload (tens of ms), as where a run
+        # checkpoints every few steps: none waits, none is dropped for a newer one
+        time.sleep(0.1)
         step, endpoint, bucket, suffix, marker = self.fault
         if self.global_rank == 1 and self.global_step == step and not os.path.exists(marker):
-            _wait_for_key(endpoint, bucket, suffix)
-            time.sleep(2)  # the driver polls rank 0 at once for a new point: plenty
+            _wait_for_key(endpoint, bucket, suffix, alone=True)
             Path(marker).touch()
             os._exit(3)
         return super().training_step(batch, batch_idx)
@@ -71,7 +78,7 @@ def _trainer(strategy, max_epochs: int = 3, **kwargs) -> pl.Trainer:
 
 
 def test_a_lost_rank_resumes_from_an_s3_checkpoint_inside_the_epoch(
-    ray_cluster, s3, tmp_path, caplog
+    ray_cluster, s3, tmp_path, caplog, capfd
 ):
     """max_failures=1, checkpoint_every_n_steps=4 and storage_options (the endpoint and keys,
     given once): rank 1 is lost at step 11, after the checkpoint of step 10 (4 batches into
@@ -87,7 +94,7 @@ def test_a_lost_rank_resumes_from_an_s3_checkpoint_inside_the_epoch(
     model = LostAfterCheckpoint(11, s3.endpoint, bucket, "resume-epoch=1-step=10-batches=4.ckpt",
                                 marker)  # fmt: skip
     strategy = RaySGDStrategy(
-        num_workers=2, max_failures=1, checkpoint_every_n_steps=4,
+        num_workers=2, max_failures=1, checkpoint_every_n_steps=4, keep_last=1,
         checkpoint_storage=f"s3://{bucket}/runs", storage_options=s3.storage_options,
     )  # fmt: skip
     assert SECRET not in repr(strategy._run_config)
@@ -97,7 +104,7 @@ def test_a_lost_rank_resumes_from_an_s3_checkpoint_inside_the_epoch(
         trainer.fit(model, loader(shuffle=True))
     assert os.path.exists(marker), "rank 1 was not lost"
     assert "fit resumes in epoch 1 after 4 batches (global step 10)" in caplog.text, caplog.text
-    assert SECRET not in caplog.text
+    assert SECRET not in caplog.text and SECRET not in "".join(capfd.readouterr())
     assert trainer.global_step == 18
     with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
@@ -140,6 +147,29 @@ def test_workers_that_cannot_reach_the_storage_are_refused_before_training(
     assert SECRET not in message and KEY not in message
     assert not marker.exists(), "a step trained before the refusal"
     assert time.monotonic() - started < 60
+
+
+def test_a_storage_the_driver_cannot_reach_is_refused_without_its_secret(s3, monkeypatch):
+    """storage_options with a secret and an endpoint nothing listens on: the driver's check
+    refuses before Ray is touched, naming the storage, and shows no option's value."""
+    from ray_lightning_sgd._driver import launcher
+
+    def connect() -> None:
+        raise AssertionError("Ray was touched")
+
+    monkeypatch.setattr(launcher.cluster, "connect", connect)
+    options = {
+        **s3.storage_options,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    strategy = RaySGDStrategy(
+        num_workers=2, max_failures=1, checkpoint_storage="s3://nowhere/runs",
+        storage_options=options,
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError, match=r"checkpoint_storage='s3://nowhere/runs'") as err:
+        _trainer(strategy).fit(TinyModel(), loader())
+    assert SECRET not in str(err.value) and SECRET not in repr(strategy.storage_options)
 
 
 OWN_PATHS = textwrap.dedent(

@@ -19,8 +19,10 @@ class _Gate:
         self.started = threading.Event()
         self.go = threading.Event()
 
-    def upload(self) -> Upload:
-        return Upload(self.label, self.send, lambda: self.log.append(f"discard {self.label}"))
+    def upload(self, kept: bool = False) -> Upload:
+        return Upload(
+            self.label, self.send, lambda: self.log.append(f"discard {self.label}"), kept=kept
+        )
 
     def send(self, cancelled) -> None:
         self.started.set()
@@ -97,3 +99,27 @@ def test_a_send_that_raises_any_exception_never_leaves_a_waiter_hanging(error):
     assert uploads.wait(5)
     failure = uploads.failure()
     assert failure is not None and isinstance(failure[1], error)
+
+
+def test_an_epochs_end_that_waits_is_never_replaced_by_an_in_epoch_checkpoint():
+    """An elastic run grows only from an epoch end's point: an in-epoch checkpoint made while
+    the epoch's end waits is dropped instead (and room is made for it only where it replaces)."""
+    log: list[str] = []
+    uploads = Uploads()
+    running, epoch_end = _Gate(log, "step 4"), _Gate(log, "epoch 0")
+    inside, later_end = _Gate(log, "step 8"), _Gate(log, "epoch 1")
+    uploads.submit(running.upload())
+    assert running.started.wait(5)
+    uploads.submit(epoch_end.upload(kept=True))
+    uploads.make_room(kept=False)  # before step 8's save: epoch 0's stays
+    uploads.submit(inside.upload())
+    assert log == ["discard step 8"]
+    uploads.make_room(kept=True)  # before epoch 1's save: epoch 0's goes now, not after it
+    assert log == ["discard step 8", "discard epoch 0"]
+    uploads.submit(later_end.upload(kept=True))
+    for gate in (running, later_end):
+        gate.go.set()
+    assert uploads.wait(5)
+    assert log[2:] == ["handed over step 4", "discard step 4", "handed over epoch 1",
+                       "discard epoch 1"]  # fmt: skip
+    assert not epoch_end.started.is_set() and not inside.started.is_set()

@@ -163,7 +163,7 @@ class RunInbox:
         self._answered_at: dict[int, float] = {}
         self._failing_since: dict[int, float] = {}  # since when each rank's polls fail
         self._done: set[int] = set()  # the ranks whose call has ended: silent by right
-        # the standing news questions (one per rank other than 0), the ranks whose answer came
+        # the standing news questions (one per rank), the ranks whose answer came
         # (with the attempt they belong to; appended by Ray's callback thread), and the ranks
         # to ask again once their poll's answer arrived
         self._attempt = 0

@@ -169,8 +169,10 @@ class RayLauncherBase(_Base):
         loggers = [] if call.trainer is None else call.trainer.loggers
         release_logger_runs(loggers)
         self._tracked = _compat.trackers.tracked(loggers)
+        # the storage's options, where given, are its settings: its variables stay on the driver
+        given = None if config.storage_options else config.checkpoint_storage
         prefixes = _compat.trackers.env_prefixes(loggers) + _files.env_prefixes(
-            _storage_uris(call.trainer, config.checkpoint_storage)
+            _storage_uris(call.trainer, given)
         )
         return Payload(
             call.trainer, call.function, call.args, call.kwargs,

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_lightning_sgd import _files
 from ray_lightning_sgd._worker_group.config import seconds_problem
 from ray_lightning_sgd.exceptions import ConfigurationError
 
@@ -144,7 +145,7 @@ class RunConfig:
                 "which is not given: give checkpoint_storage='s3://bucket/folder' (or another "
                 "fsspec URI) too, or leave storage_options out"
             )
-        object.__setattr__(self, "storage_options", dict(options))
+        object.__setattr__(self, "storage_options", _files.StorageOptions(options))
 
 
 def _check_storage(storage: Any) -> None:

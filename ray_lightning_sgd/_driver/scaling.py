@@ -152,7 +152,7 @@ class GrowthPolicy:
             self._room_at = resume
             return None
         if resume is None or resume is self._room_at or resume.batches is not None:
-            return None  # a resize waits for an epoch's end (an in-epoch point is a preemption's)
+            return None  # a resize waits for an epoch's end (not a preemption's or a timed point)
         if self._max_epochs is not None and resume.epoch + 1 >= self._max_epochs:
             return None  # the run has no epoch left to train
         self._resized_from = self._size

@@ -283,7 +283,7 @@ def _run_trainer_call(payload: Payload, call: _TrainerCall) -> Any:
                 _compat.end_after_tuner_exit(trainer, namespace)
                 result = None
             if resume is not None:  # its last checkpoint's upload, before the results go
-                resume.finish(trainer)
+                resume.finish(trainer, payload.report_progress)
             return result
     except BaseException:
         if resume is not None:

@@ -27,11 +27,11 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ray_lightning_sgd import _files, _scratch
-from ray_lightning_sgd._boundary.channels import RESUME
+from ray_lightning_sgd._boundary.channels import PROGRESS, RESUME
 from ray_lightning_sgd._boundary.data_loader import RayDataLoader
 from ray_lightning_sgd._boundary.resume_points import (
     ResumePoint,
@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 PREEMPTION_GRACE_S = 20.0
 #: How long rank 0 waits for the driver to take a resume point before it trains on regardless.
 _DELIVERY_WAIT_S = 600.0
+#: How often rank 0 notes its progress while the fit's end waits for the last upload.
+_HEARTBEAT_S = 5.0
 #: The start of the warning Lightning gives when a fit resumes inside an epoch.
 _INEXACT_RESUME_WARNING = "You're resuming from a checkpoint that ended before"
 
@@ -105,6 +107,7 @@ class ResumeCheckpointBase:
         self._last_time = time.monotonic()
         #: Rank 0's sends of its checkpoints (see :mod:`~ray_lightning_sgd._worker.uploads`).
         self.uploads = Uploads()
+        self._swept = False  # whether rank 0 removed what killed writers left in the storage
         #: The (epoch, global step) of this attempt's latest epoch-end checkpoint.
         self._saved_at: tuple[int, int] | None = None
         self._resumed = resumed  # this attempt resumes from a resume checkpoint
@@ -276,7 +279,8 @@ class ResumeCheckpointBase:
         trainer.strategy.barrier("ray_lightning_sgd.preemption")  # the driver holds the point
         raise WorkerDiedError(
             f"rank {', '.join(map(str, ranks))} received SIGTERM (a preemption notice): the "
-            f"fit stopped {point.describe()} and restarts from its checkpoint there",
+            f"fit stopped {point.describe()} and restarts from its checkpoint there (or, where "
+            "rank 0 could not send it within the grace period, from the one before)",
             rank=ranks[0],
             node_id="",  # the driver names that rank's node
             preempted=True,
@@ -288,10 +292,17 @@ class ResumeCheckpointBase:
         self._save(trainer)
         self._saved_at = (trainer.current_epoch, trainer.global_step)
 
-    def finish(self, trainer: pl.Trainer) -> None:
+    def finish(self, trainer: pl.Trainer, report_progress: bool = False) -> None:
         """Runs on each worker at the call's successful end: rank 0 waits for its last
-        checkpoint's send, and warns when it failed (the run's resume point is an older one)."""
-        failure = self.uploads.finish()
+        checkpoint's send (noting its progress meanwhile, with ``report_progress``: a slow upload
+        is no stall for ``progress_timeout_s``), and warns when it failed (the run's resume point
+        is an older one)."""
+        while not self.uploads.wait(_HEARTBEAT_S):
+            if report_progress:
+                get_outbox().put_latest(
+                    PROGRESS, ("uploading the last resume checkpoint", trainer.global_step, 0.0)
+                )
+        failure = self.uploads.failure()
         if failure is None or trainer.global_rank != 0:
             return
         label, err = failure
@@ -318,37 +329,72 @@ class ResumeCheckpointBase:
         rank_zero = trainer.global_rank == 0
         batches = None if self._saving is None else self._saving[0]
         epoch = trainer.current_epoch if epoch is None else epoch
-        uri = None
-        if self._storage is not None:
-            uri = _files.child(self._storage, checkpoint_name(epoch, trainer.global_step, batches))
-        held = _stage(trainer, "resume.ckpt")
+        name = checkpoint_name(epoch, trainer.global_step, batches)
+        uri = None if self._storage is None else _files.child(self._storage, name)
+        into = self._in_place() if rank_zero else None
+        if rank_zero:
+            self.uploads.make_room(kept=batches is None)  # two checkpoints on its disk at most
+        staged = _stage(trainer, name, into)
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
-        point = ResumePoint(
-            epoch, trainer.global_step, uri=uri,
-            logger_versions=tuple(logger_versions(trainer)) if rank_zero else (),
-            logged_step=logged_step(trainer),
-            batches=batches,
-        )  # fmt: skip
-        if held is None:
-            return point
-        folder, path = held
-        self.uploads.submit(
-            Upload(
+        if staged is None:
+            return ResumePoint(epoch, trainer.global_step, uri=uri, batches=batches)
+        try:
+            point = ResumePoint(
+                epoch, trainer.global_step, uri=uri,
+                logger_versions=tuple(logger_versions(trainer)),
+                logged_step=logged_step(trainer),
+                batches=batches,
+            )  # fmt: skip
+            upload = Upload(
                 point.describe(),
-                send=functools.partial(self._send, point, path),
-                discard=functools.partial(_scratch.release, folder),
+                send=functools.partial(self._send, point, staged.path, into is not None),
+                discard=staged.discard,
+                kept=batches is None,
             )
-        )
-        if wait:
-            self.uploads.wait()
+        except BaseException:
+            staged.discard()
+            raise
+        self.uploads.submit(upload)
+        if wait and not self.uploads.wait(PREEMPTION_GRACE_S * 0.75):
+            log.warning(
+                "The resume checkpoint %s was not sent within %.0fs of the preemption's grace "
+                "period: the restart resumes from the point the driver holds",
+                point.describe(),
+                PREEMPTION_GRACE_S * 0.75,
+            )
         return point
 
-    def _send(self, point: ResumePoint, path: str, cancelled: Any) -> None:
+    def _in_place(self) -> str | None:
+        """Runs on rank 0: the storage's folder where a checkpoint is saved in place (renamed
+        into place once sent, no copy): a local folder on the disk of the worker's temporary
+        folder, where a save there costs what a save to the temporary folder costs. None for
+        any other storage (an object store; a shared mount, whose write would hold training
+        up): the checkpoint is saved to the temporary folder and uploaded in the background.
+        Removes what killed writers left there, once."""
+        if self._storage is None:
+            return None
+        filesystem, folder = _files.filesystem(self._storage)
+        if not _files.is_local(filesystem):
+            return None
+        if not self._swept:  # at this attempt's first checkpoint: nothing of its own is there
+            _files.remove_leftovers(self._storage, starting=".resume-")
+            self._swept = True
+        try:
+            os.makedirs(folder, exist_ok=True)
+            same_disk = os.stat(folder).st_dev == os.stat(_scratch.folder()).st_dev
+        except OSError:
+            return None  # the upload says what is wrong, in the background
+        return folder if same_disk else None
+
+    def _send(self, point: ResumePoint, path: str, in_place: bool, cancelled: Any) -> None:
         """Runs on rank 0, in its uploads' thread: sends the checkpoint saved at ``path`` to
-        the storage (or its bytes to the driver), then hands the point to the driver, and once
-        the driver holds it deletes the storage's older checkpoints."""
-        if point.uri is not None and self._storage is not None:
-            _files.remove_leftovers(self._storage, starting=".resume-")  # of a killed writer
+        the storage (``in_place``: saved in the storage's local folder, renamed into place), or
+        its bytes to the driver; then hands the point to the driver, and once the driver holds
+        it deletes the storage's older checkpoints."""
+        if point.uri is not None and in_place:
+            filesystem, final = _files.filesystem(point.uri)
+            _files.publish(filesystem, path, final)
+        elif point.uri is not None:
             _files.upload(path, point.uri)
         else:
             point = dataclasses.replace(point, data=_read(path))
@@ -415,36 +461,58 @@ def logger_versions(trainer: pl.Trainer) -> list[Any]:
 def checkpoint_bytes(trainer: pl.Trainer, name: str) -> bytes | None:
     """Every rank: saves a checkpoint of the Trainer now, one whole file however the strategy
     shards; its bytes on rank 0, None on the others (see :func:`_stage`)."""
-    held = _stage(trainer, name)
-    if held is None:
+    staged = _stage(trainer, name)
+    if staged is None:
         return None
     try:
-        return _read(held[1])
+        return _read(staged.path)
     finally:
-        _scratch.release(held[0])
+        staged.discard()
 
 
-def _stage(trainer: pl.Trainer, name: str) -> tuple[str, str] | None:
+class _Staged(NamedTuple):
+    """Rank 0's saved checkpoint: its local path, and what removes it unless it was renamed
+    into place."""
+
+    path: str
+    discard: Callable[[], None]
+
+
+def _stage(trainer: pl.Trainer, name: str, into: str | None = None) -> _Staged | None:
     """Every rank: saves a checkpoint of the Trainer now, one whole file however the strategy
-    shards (see ``OnWorkersBase.resume_checkpoints``), in a local temporary folder that no
-    killed worker leaves behind (:mod:`ray_lightning_sgd._scratch`). On rank 0: the folder,
-    held until :func:`ray_lightning_sgd._scratch.release`, and the file's path; None on the
-    others."""
+    shards (see ``OnWorkersBase.resume_checkpoints``): into ``into`` (a local storage folder)
+    under a temporary name of ours, which the send renames into place (no copy); else in a local
+    temporary folder that no killed worker leaves behind (:mod:`ray_lightning_sgd._scratch`).
+    Rank 0's file, None on the others; a save that fails leaves no part of it."""
     whole = trainer.strategy.resume_checkpoints()  # type: ignore[attr-defined]
-    _scratch.sweep()  # what killed workers of this node left
-    # a folder of its own: Lightning's save replaces the file by name, out of a lock
-    held = _scratch.create_folder()
-    try:
+    if into is not None:
+        path = os.path.join(into, _files.temp_name(name))
+
+        def discard() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+        if trainer.global_rank == 0:
+            os.makedirs(into, exist_ok=True)
+    else:
+        _scratch.sweep()  # what killed workers of this node left
+        # a folder of its own: Lightning's save replaces the file by name, out of a lock
+        held = _scratch.create_folder()
         path = os.path.join(held, name)
+
+        def discard() -> None:
+            _scratch.release(held)
+
+    try:
         with whole, _saved_in_place(trainer.strategy):
             trainer.save_checkpoint(path)
     except BaseException:
-        _scratch.release(held)
+        discard()  # a full disk: no part of it stays
         raise
     if trainer.global_rank != 0:
-        _scratch.release(held)
+        discard()
         return None
-    return held, path
+    return _Staged(path, discard)
 
 
 def _read(path: str) -> bytes:

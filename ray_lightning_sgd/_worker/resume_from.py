@@ -6,9 +6,11 @@ from: agreed on by rank 0 (:func:`resolve_on_rank_zero`), made a path Lightning 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any, cast
 
 from ray_lightning_sgd import _files, _scratch
@@ -52,20 +54,36 @@ def materialise(point: ResumePoint) -> str:
     or a local copy of its bytes or of its remote file (downloaded with the storage's options,
     which Lightning's own loading does not know), held by this process (see
     :mod:`ray_lightning_sgd._scratch`) until :func:`forget`."""
-    data: bytes | Callable[[], bytes] | None = point.data
+    # the workers of a node share one copy at one path: a sharded strategy loads the path that
+    # rank 0 gives the others
+    path = os.path.join(_scratch.folder(), f"{_scratch.PREFIX}{point.name}.ckpt")
     if point.uri is not None:
         filesystem, remote = _files.filesystem(point.uri)
         if _files.is_local(filesystem):
             return point.uri
-        data = functools.partial(filesystem.cat_file, remote)
-    if data is None:
+        _scratch.sweep()
+        # one download a node, streamed to the disk: the node's other workers wait, then share it
+        with _node_lock(f"{path}.lock"):
+            _scratch.hold_copy(path, functools.partial(filesystem.get_file, remote))
+        return path
+    if point.data is None:
         raise ValueError("a resume point holds either a uri or the checkpoint's bytes")
-    # the workers of a node share one copy at one path: a sharded strategy loads the path that
-    # rank 0 gives the others
-    path = os.path.join(_scratch.folder(), f"{_scratch.PREFIX}{point.name}.ckpt")
     _scratch.sweep()  # what killed workers of this node left
-    _scratch.hold_copy(path, data)
+    _scratch.hold_copy(path, point.data)
     return path
+
+
+@contextlib.contextmanager
+def _node_lock(path: str) -> Iterator[None]:
+    """Holds ``path``'s exclusive ``flock`` (one process of the node at a time); the kernel
+    drops it with its process. Where the file system has no locks, nothing is held."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def forget(path: str) -> None:

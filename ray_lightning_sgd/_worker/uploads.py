@@ -4,9 +4,11 @@ Every rank takes part in a resume checkpoint's save (it synchronises), which wri
 to rank 0's local disk; what follows happens in one thread of rank 0 (:class:`Uploads`): the upload
 to ``checkpoint_storage`` (or the read of its bytes for the driver), the hand-over to the driver,
 the deletion of older checkpoints. At most one checkpoint is sent at a time; a newer one that
-arrives meanwhile waits, and replaces one that is still waiting (whose local copy goes). A
-checkpoint is the run's resume point only once it is sent: until then the driver holds the
-previous one. A send that fails is logged and leaves the previous point.
+arrives meanwhile waits, and replaces one that is still waiting (whose local copy goes), but for
+an epoch's end, which an in-epoch checkpoint never replaces (an elastic run grows only from an
+epoch's end): the in-epoch one is dropped then. A checkpoint is the run's resume point only once
+it is sent: until then the driver holds the previous one. A send that fails is logged and leaves
+the previous point.
 
 The call's end waits for the last send and reports its failure (:meth:`Uploads.finish`); a call
 that fails drops what waits, lets the send in flight complete without handing it over (the driver
@@ -33,6 +35,8 @@ class Upload:
     label: str
     send: Callable[[Callable[[], bool]], None]
     discard: Callable[[], None]
+    #: An epoch's end: never replaced by an in-epoch checkpoint while it waits.
+    kept: bool = False
 
 
 class Uploads:
@@ -50,10 +54,28 @@ class Uploads:
         #: Seconds each send took, in order (for the benchmark and the log).
         self.durations: list[float] = []
 
-    def submit(self, upload: Upload) -> None:
-        """Sends ``upload`` after the one in flight; one that still waits is replaced."""
+    def make_room(self, kept: bool) -> None:
+        """Before a new checkpoint is saved: drops the one that waits, which the new one (an
+        epoch's end where ``kept``) would replace, so that rank 0's disk holds two at most."""
         with self._lock:
-            replaced, self._waiting = self._waiting, upload
+            waiting = self._waiting
+            if waiting is None or (waiting.kept and not kept):
+                return
+            self._waiting = None
+        log.info("The resume checkpoint %s is dropped before its upload: a newer one comes",
+                 waiting.label)  # fmt: skip
+        _discard(waiting)
+
+    def submit(self, upload: Upload) -> None:
+        """Sends ``upload`` after the one in flight; one that still waits is replaced, but for
+        an epoch's end, which an in-epoch one never replaces (that one is dropped)."""
+        with self._lock:
+            if self._waiting is not None and self._waiting.kept and not upload.kept:
+                replaced: Upload | None = upload  # the epoch's end goes first
+                why = f"the epoch's end {self._waiting.label} waits for its upload"
+            else:
+                replaced, self._waiting = self._waiting, upload
+                why = f"{upload.label} replaces it"
             self._cancelled = False
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -62,8 +84,8 @@ class Uploads:
                 self._thread.start()
             self._lock.notify_all()
         if replaced is not None:
-            log.info("The resume checkpoint %s is replaced by %s before its upload", replaced.label,
-                     upload.label)  # fmt: skip
+            log.info("The resume checkpoint %s is dropped before its upload: %s", replaced.label,
+                     why)  # fmt: skip
             _discard(replaced)
 
     def busy(self) -> bool:
