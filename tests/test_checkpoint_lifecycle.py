@@ -39,7 +39,7 @@ from ray_lightning_sgd._boundary.resume_points import (
 )
 from ray_lightning_sgd._driver import runs
 from ray_lightning_sgd._worker import resume, resume_from, resumed_fit
-from ray_lightning_sgd._worker.resume import ResumeCheckpointBase
+from ray_lightning_sgd._worker.resume import BatchStartBase, ResumeCheckpointBase
 from ray_lightning_sgd.exceptions import RaySGDError
 from tests.helpers import TinyModel, loader, quiet_trainer_kwargs
 
@@ -312,6 +312,47 @@ class _StopAfter(pl.Callback):
     @property
     def state_key(self) -> str:
         return "stop-after"
+
+
+class _SlowSteps(TinyModel):
+    """Steps of 20 ms: a fit of 12 a epoch lasts about a quarter of a second an epoch."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.02)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("every", [{"every_n_steps": 5}, {"every_s": 0.1}], ids=["steps", "time"])
+def test_checkpoints_by_steps_or_time_come_inside_epochs(tmp_path, monkeypatch, every):
+    """checkpoint_every_n_steps / checkpoint_every_s: resume checkpoints at step boundaries
+    inside the epochs too (one process: rank 0 alone decides the timed ones), named after the
+    batches they follow, besides the epochs' ends; none at an epoch's first batch."""
+    outbox = _Outbox()
+    monkeypatch.setattr(resume, "get_outbox", lambda: outbox)
+    writer = type("ResumeCheckpoint", (ResumeCheckpointBase, pl.Callback), {})
+    callback = writer(1, str(tmp_path / "run"), keep_last=100, **every)
+    first = type("BatchStart", (BatchStartBase, pl.Callback), {})(callback)  # as the entry adds it
+    trainer = pl.Trainer(
+        max_epochs=2, accelerator="cpu", enable_checkpointing=False, callbacks=[first, callback],
+        **quiet_trainer_kwargs(),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        trainer.strategy, "resume_checkpoints", contextlib.nullcontext, raising=False
+    )
+    trainer.fit(_SlowSteps(), loader())  # 12 steps an epoch
+    callback.finish(trainer)
+    stored = resume_points.stored_points(str(tmp_path / "run"))
+    inside = [(p.epoch, p.global_step, p.batches) for p in stored if p.batches is not None]
+    ends = [(p.epoch, p.global_step) for p in stored if p.batches is None]
+    assert ends == [(0, 12), (1, 24)]
+    if "every_n_steps" in every:
+        assert inside == [(0, 5, 5), (0, 10, 10), (1, 17, 5), (1, 22, 10)], inside
+    else:  # about every 5 steps of 20 ms (and the exchange's boundaries): some in each epoch
+        assert {epoch for epoch, _, _ in inside} == {0, 1}, inside
+        assert all(0 < batches < 12 and step == 12 * epoch + batches
+                   for epoch, step, batches in inside), inside  # fmt: skip
+    for point in stored:  # each a whole checkpoint of its step
+        assert torch.load(str(point.uri), weights_only=False)["global_step"] == point.global_step
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named-run", "launch-folder"])
