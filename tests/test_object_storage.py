@@ -59,9 +59,6 @@ class LostAfterCheckpoint(TinyModel):
         self.fault = (step, endpoint, bucket, suffix, marker)
 
     def training_step(self, batch, batch_idx):
-        # a step longer than a small checkpoint's upload (tens of ms), as where a run
-        # checkpoints every few steps: none waits, none is dropped for a newer one
-        time.sleep(0.1)
         step, endpoint, bucket, suffix, marker = self.fault
         if self.global_rank == 1 and self.global_step == step and not os.path.exists(marker):
             _wait_for_key(endpoint, bucket, suffix, alone=True)
@@ -80,10 +77,12 @@ def _trainer(strategy, max_epochs: int = 3, **kwargs) -> pl.Trainer:
 def test_a_lost_rank_resumes_from_an_s3_checkpoint_inside_the_epoch(
     ray_cluster, s3, tmp_path, caplog, capfd
 ):
-    """max_failures=1, checkpoint_every_n_steps=4 and storage_options (the endpoint and keys,
-    given once): rank 1 is lost at step 11, after the checkpoint of step 10 (4 batches into
-    epoch 1) reached S3; the fit resumes there, trains each remaining batch once, and ends with
-    the weights of a run never interrupted; a succeeded fit's folder leaves the bucket."""
+    """max_failures=1, checkpoint_every_n_steps=4 (and every 2 epochs: no epoch end's
+    checkpoint before epoch 1's, which a waiting in-epoch one would never replace) and
+    storage_options (the endpoint and keys, given once): rank 1 is lost at step 9, once the
+    checkpoint of step 8 (2 batches into epoch 1) reached S3 and the driver holds it; the fit
+    resumes there, trains each remaining batch once, and ends with the weights of a run never
+    interrupted; a succeeded fit's folder leaves the bucket."""
     pl.seed_everything(0)
     reference = TinyModel()
     _trainer(RaySGDStrategy(num_workers=2)).fit(reference, loader(shuffle=True))
@@ -91,11 +90,11 @@ def test_a_lost_rank_resumes_from_an_s3_checkpoint_inside_the_epoch(
     bucket = s3.new_bucket()
     marker = str(tmp_path / "lost")
     pl.seed_everything(0)
-    model = LostAfterCheckpoint(11, s3.endpoint, bucket, "resume-epoch=1-step=10-batches=4.ckpt",
+    model = LostAfterCheckpoint(9, s3.endpoint, bucket, "resume-epoch=1-step=8-batches=2.ckpt",
                                 marker)  # fmt: skip
     strategy = RaySGDStrategy(
-        num_workers=2, max_failures=1, checkpoint_every_n_steps=4, keep_last=1,
-        checkpoint_storage=f"s3://{bucket}/runs", storage_options=s3.storage_options,
+        num_workers=2, max_failures=1, checkpoint_every_n_steps=4, checkpoint_every_n_epochs=2,
+        keep_last=1, checkpoint_storage=f"s3://{bucket}/runs", storage_options=s3.storage_options,
     )  # fmt: skip
     assert SECRET not in repr(strategy._run_config)
     logger = CSVLogger(tmp_path / "logs")
@@ -103,7 +102,7 @@ def test_a_lost_rank_resumes_from_an_s3_checkpoint_inside_the_epoch(
     with caplog.at_level(logging.INFO, logger="ray_lightning_sgd"):
         trainer.fit(model, loader(shuffle=True))
     assert os.path.exists(marker), "rank 1 was not lost"
-    assert "fit resumes in epoch 1 after 4 batches (global step 10)" in caplog.text, caplog.text
+    assert "fit resumes in epoch 1 after 2 batches (global step 8)" in caplog.text, caplog.text
     assert SECRET not in caplog.text and SECRET not in "".join(capfd.readouterr())
     assert trainer.global_step == 18
     with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as file:
