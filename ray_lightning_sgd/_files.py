@@ -18,7 +18,7 @@ import errno
 import logging
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -192,17 +192,24 @@ def write_atomically(uri: str, data: str | bytes) -> None:
     """Writes ``data`` to ``uri`` (a path or fsspec URI) whole or not at all; a failed write
     (a full disk) leaves the file as it was and no temporary file."""
     fs, path = filesystem(uri)
-    folder, _, name = path.rstrip("/").rpartition("/")
-    temp = f"{folder}/{temp_name(name)}" if folder else temp_name(name)
     mode = "wb" if isinstance(data, bytes) else "w"
     text: dict[str, Any] = {} if mode == "wb" else {"newline": ""}
     # a local file through the OS: fsspec's cached local file system stays in a transaction
     # after a write inside one failed (fsspec 2025.12, after Lightning's save hit a full disk),
     # and its later writes then go to files of its own, never to ``temp``
     opener: Any = open if is_local(fs) else fs.open
+    with _published(fs, path) as temp, opener(temp, mode, **text) as file:
+        file.write(data)
+
+
+@contextlib.contextmanager
+def _published(fs: Any, path: str) -> Iterator[str]:
+    """Yields a temporary name beside ``path`` (on file system ``fs``) to write; renames it
+    into place when the block ends, or removes it when the block or the rename fails."""
+    folder, _, name = path.rstrip("/").rpartition("/")
+    temp = f"{folder}/{temp_name(name)}" if folder else temp_name(name)
     try:
-        with opener(temp, mode, **text) as file:
-            file.write(data)
+        yield temp
         publish(fs, temp, path)
     except BaseException:
         with contextlib.suppress(Exception):
@@ -220,22 +227,14 @@ def upload(local_path: str, uri: str) -> None:
     if not is_local(fs) and _moves_by_copy(fs):
         fs.put_file(local_path, path)
         return
-    folder, _, name = path.rstrip("/").rpartition("/")
-    temp = f"{folder}/{temp_name(name)}" if folder else temp_name(name)
-    try:
+    with _published(fs, path) as temp:
         if is_local(fs):
             import shutil
 
-            os.makedirs(folder or ".", exist_ok=True)
+            os.makedirs(os.path.dirname(temp) or ".", exist_ok=True)
             shutil.copyfile(local_path, temp)
         else:
             fs.put_file(local_path, temp)
-        publish(fs, temp, path)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            if fs.exists(temp):
-                fs.rm(temp)
-        raise
 
 
 def remove_leftovers(folder: str, starting: str = ".") -> list[str]:

@@ -53,7 +53,7 @@ def test_one_send_at_a_time_and_a_newer_checkpoint_replaces_the_waiting_one():
         "handed over epoch 2",
         "discard epoch 2",
     ]
-    assert uploads.finish() is None and len(uploads.durations) == 2
+    assert uploads.failure() is None and len(uploads.durations) == 2
 
 
 def test_a_failed_send_is_reported_and_a_later_success_clears_it(caplog):
@@ -62,7 +62,8 @@ def test_a_failed_send_is_reported_and_a_later_success_clears_it(caplog):
     refused = _Gate(log, "epoch 0", fails=True)
     refused.go.set()
     uploads.submit(refused.upload())
-    failure = uploads.finish()
+    assert uploads.wait(5)
+    failure = uploads.failure()
     assert failure is not None and failure[0] == "epoch 0"
     assert isinstance(failure[1], OSError) and "refused epoch 0" in str(failure[1])
     assert "could not be sent" in caplog.text and "stays the previous one" in caplog.text
@@ -70,7 +71,7 @@ def test_a_failed_send_is_reported_and_a_later_success_clears_it(caplog):
     later = _Gate(log, "epoch 1")
     later.go.set()
     uploads.submit(later.upload())
-    assert uploads.finish() is None
+    assert uploads.wait(5) and uploads.failure() is None
 
 
 def test_a_failed_call_drops_the_waiting_send_and_never_hands_over_the_one_in_flight():

@@ -63,20 +63,15 @@ def remove_storage_folder(uri: str) -> None:
     """Worker side (rank 0, once every rank returned a successful call's results): removes the
     launch's own folder of a storage, which no attempt needs any more. Not before: a rank lost
     while the results come back restarts the fit from the folder's newest checkpoint."""
-    filesystem, path = fsspec_path(uri)
+    filesystem, path = _files.filesystem(uri)
     if filesystem.exists(path):
         filesystem.rm(path, recursive=True)
-
-
-def fsspec_path(uri: str) -> tuple[Any, str]:
-    """The fsspec file system of a path or URI (with its storage's options), and the path on it."""
-    return _files.filesystem(uri)
 
 
 def stored_points(storage: str) -> list[ResumePoint]:
     """The resume checkpoints in a storage folder (a path or fsspec URI), oldest first; neither
     checked (see :func:`newest_complete_point`) nor temporary files."""
-    filesystem, path = fsspec_path(storage)
+    filesystem, path = _files.filesystem(storage)
     filesystem.invalidate_cache(path)  # an object store's listing cached by an earlier call
     if not filesystem.exists(path):
         return []
@@ -110,7 +105,7 @@ def checkpoint_problem(uri: str) -> str | None:
     format (another CheckpointIO's) is taken as it is."""
     import zipfile
 
-    filesystem, path = fsspec_path(uri)
+    filesystem, path = _files.filesystem(uri)
     try:
         if not filesystem.isfile(path):
             return "is missing"

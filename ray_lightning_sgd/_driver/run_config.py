@@ -84,16 +84,10 @@ class RunConfig:
                 "max_preemptions must be an int >= 0, or -1 for no limit, got "
                 f"{self.max_preemptions!r}"
             )
-        timeout = self.progress_timeout_s
-        if timeout is not None and seconds_problem(timeout) is not None:
-            raise ConfigurationError(
-                f"progress_timeout_s {seconds_problem(timeout)}; or None for no timeout"
-            )
-        after = self.hang_report_after_s
-        if after is not None and seconds_problem(after) is not None:
-            raise ConfigurationError(
-                f"hang_report_after_s {seconds_problem(after)}; or None for the automatic window"
-            )
+        _check_optional_seconds("progress_timeout_s", self.progress_timeout_s, "no timeout")
+        _check_optional_seconds(
+            "hang_report_after_s", self.hang_report_after_s, "the automatic window"
+        )
         if not _is_int(self.checkpoint_every_n_epochs) or self.checkpoint_every_n_epochs < 1:
             raise ConfigurationError(
                 "checkpoint_every_n_epochs must be an int >= 1, got "
@@ -118,11 +112,9 @@ class RunConfig:
             raise ConfigurationError(
                 f"checkpoint_every_n_steps must be an int >= 1, or None, got {steps!r}"
             )
-        every_s = self.checkpoint_every_s
-        if every_s is not None and seconds_problem(every_s) is not None:
-            raise ConfigurationError(
-                f"checkpoint_every_s {seconds_problem(every_s)}; or None for no timed checkpoints"
-            )
+        _check_optional_seconds(
+            "checkpoint_every_s", self.checkpoint_every_s, "no timed checkpoints"
+        )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise ConfigurationError(f"keep_last must be an int >= 1, got {self.keep_last!r}")
         interval_problem = seconds_problem(self.resize_interval_s)
@@ -146,6 +138,13 @@ class RunConfig:
                 "fsspec URI) too, or leave storage_options out"
             )
         object.__setattr__(self, "storage_options", _files.StorageOptions(options))
+
+
+def _check_optional_seconds(name: str, value: Any, none_means: str) -> None:
+    """Raises unless ``value`` is None or a number of seconds (see ``seconds_problem``)."""
+    problem = None if value is None else seconds_problem(value)
+    if problem is not None:
+        raise ConfigurationError(f"{name} {problem}; or None for {none_means}")
 
 
 def _check_storage(storage: Any) -> None:

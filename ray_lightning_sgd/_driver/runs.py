@@ -21,7 +21,6 @@ from typing import Any
 from ray_lightning_sgd import _files
 from ray_lightning_sgd._boundary.resume_points import (
     ResumePoint,
-    fsspec_path,
     newest_complete_point,
 )
 from ray_lightning_sgd.exceptions import ConfigurationError
@@ -53,7 +52,7 @@ def run_lock(folder: str, name: str) -> Iterator[None]:
     Raises:
         ConfigurationError: Another driver holds the run now (named with its process and host).
     """
-    filesystem, path = fsspec_path(folder)
+    filesystem, path = _files.filesystem(folder)
     if not _files.is_local(filesystem):
         yield
         return
@@ -103,7 +102,7 @@ def resume_named_run(folder: str, name: str, settings: dict[str, str]) -> Resume
         ConfigurationError: The stored run trains another model or with another strategy; its
             ``run.json`` is damaged; or every resume checkpoint it has is damaged.
     """
-    filesystem, path = fsspec_path(folder)
+    filesystem, path = _files.filesystem(folder)
     run_file = f"{path.rstrip('/')}/{RUN_FILE}"
     _files.remove_leftovers(folder)  # what a driver or rank 0 killed while writing left
     if filesystem.exists(run_file):

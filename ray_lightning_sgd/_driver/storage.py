@@ -42,7 +42,7 @@ def check_writable(folder: str, given: str, named: bool = False) -> None:
             its value and the error.
     """
     try:
-        _files.filesystem(folder)
+        _files.probe(folder)
     except ImportError as err:  # the URI's package may be on the workers only: they write it
         if named:
             raise ConfigurationError(
@@ -58,11 +58,8 @@ def check_writable(folder: str, given: str, named: bool = False) -> None:
             err,
         )
         return
-    except Exception as err:  # an unknown protocol (ValueError), a client that cannot start
-        raise _unwritable(given, folder, err) from err
-    try:
-        _files.probe(folder)
-    except Exception as err:  # OSError locally; fsspec's backends raise their own kinds
+    except Exception as err:  # an unknown protocol (ValueError), a client that cannot start,
+        # OSError locally; fsspec's backends raise their own kinds
         raise _unwritable(given, folder, err) from err
 
 

@@ -36,7 +36,6 @@ from ray_lightning_sgd._boundary.data_loader import RayDataLoader
 from ray_lightning_sgd._boundary.resume_points import (
     ResumePoint,
     checkpoint_name,
-    fsspec_path,
     stored_points,
 )
 from ray_lightning_sgd._compat import logged_step, shift_batch_counts, show_as_saved_at_batch_end
@@ -447,7 +446,7 @@ def _delete_older(storage: str, point: ResumePoint, keep_last: int) -> None:
     older = [p for p in stored if (p.epoch, p.global_step) < (point.epoch, point.global_step)]
     for old in older[: max(0, len(older) - (keep_last - 1))]:
         try:
-            filesystem, path = fsspec_path(str(old.uri))
+            filesystem, path = _files.filesystem(str(old.uri))
             filesystem.rm(path, recursive=True)  # a sharded checkpoint may be a folder
         except Exception as err:  # noqa: BLE001 - a stale checkpoint is no reason to stop training
             log.warning("Could not delete the old resume checkpoint %s: %s", old.uri, err)
@@ -480,7 +479,8 @@ class _Staged(NamedTuple):
 
 def _stage(trainer: pl.Trainer, name: str, into: str | None = None) -> _Staged | None:
     """Every rank: saves a checkpoint of the Trainer now, one whole file however the strategy
-    shards (see ``OnWorkersBase.resume_checkpoints``): into ``into`` (a local storage folder)
+    shards (see ``OnWorkersBase.resume_checkpoints``): into ``into`` (a local storage folder that
+    exists)
     under a temporary name of ours, which the send renames into place (no copy); else in a local
     temporary folder that no killed worker leaves behind (:mod:`ray_lightning_sgd._scratch`).
     Rank 0's file, None on the others; a save that fails leaves no part of it."""
@@ -492,8 +492,6 @@ def _stage(trainer: pl.Trainer, name: str, into: str | None = None) -> _Staged |
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
 
-        if trainer.global_rank == 0:
-            os.makedirs(into, exist_ok=True)
     else:
         _scratch.sweep()  # what killed workers of this node left
         # a folder of its own: Lightning's save replaces the file by name, out of a lock

@@ -10,7 +10,8 @@ epoch's end): the in-epoch one is dropped then. A checkpoint is the run's resume
 it is sent: until then the driver holds the previous one. A send that fails is logged and leaves
 the previous point.
 
-The call's end waits for the last send and reports its failure (:meth:`Uploads.finish`); a call
+The call's end waits for the last send and reports its failure (:meth:`Uploads.wait`,
+:meth:`Uploads.failure`); a call
 that fails drops what waits, lets the send in flight complete without handing it over (the driver
 restarts from the point it holds), and returns at once (:meth:`Uploads.abandon`).
 """
@@ -51,7 +52,7 @@ class Uploads:
         self._cancelled = False
         #: The label and error of the last send, when it failed (a later success clears it).
         self._failure: tuple[str, BaseException] | None = None
-        #: Seconds each send took, in order (for the benchmark and the log).
+        #: Seconds each send took, in order.
         self.durations: list[float] = []
 
     def make_room(self, kept: bool) -> None:
@@ -104,11 +105,6 @@ class Uploads:
         """The label and error of the last send, when it failed."""
         with self._lock:
             return self._failure
-
-    def finish(self) -> tuple[str, BaseException] | None:
-        """At a call's successful end: waits for every send; returns the last one's failure."""
-        self.wait()
-        return self.failure()
 
     def abandon(self) -> None:
         """At a call's failure: drops the waiting checkpoint; the one in flight completes
